@@ -1,0 +1,122 @@
+"""Small CNN on scikit-learn's shipped digits (8x8), dense Horovod vs. TopKEF in stock Horovod.
+
+Launch (2 ranks, Gloo, on this machine):
+    horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression topkef
+    horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression none
+    mpirun -np 2 python examples/digits_cnn.py --compression topkef --ratio 0.001
+Bytes per step come from the loopback's interface counters; run it in a private network namespace
+(examples/demo.py does) so that they count this job's traffic only.
+"""
+import argparse
+import json
+import time
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from tqdm import tqdm
+
+from hvd_topk import TopKEF
+from hvd_topk.wire import loopback_bytes
+
+# -- arguments (one screen) ----------------------------------------------------------------------
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--compression", choices=["none", "fp16", "topkef"], default="topkef")
+p.add_argument("--ratio", type=float, default=0.01, help="TopKEF: fraction of elements kept")
+p.add_argument("--min-numel", type=int, default=1024, help="TopKEF: smaller tensors go dense")
+p.add_argument("--epochs", type=int, default=20)
+p.add_argument("--batch-size", type=int, default=16, help="per rank")
+p.add_argument("--lr", type=float, default=0.05)
+p.add_argument("--momentum", type=float, default=0.9)
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--json-out", default=None, help="rank 0 writes its results here")
+p.add_argument("--quiet", action="store_true", help="no progress bar")
+args = p.parse_args()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 4 * 4, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def main():
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
+    n_test = len(y) // 5
+    x_test, y_test = x[order[:n_test]], y[order[:n_test]]
+    x_train, y_train = x[order[n_test:]], y[order[n_test:]]
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+                   "topkef": TopKEF(ratio=args.ratio, min_numel=args.min_numel)}[args.compression]
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+    steps_per_epoch = len(y_train) // (args.batch_size * hvd.size())
+    total = steps_per_epoch * args.epochs
+    bar = tqdm(total=total, disable=hvd.rank() != 0 or args.quiet, desc=args.compression,
+               mininterval=1.0)
+    hvd.allreduce(torch.zeros(1), name="barrier.start")
+    tx0, t0 = loopback_bytes()[0], time.perf_counter()
+    for epoch in range(args.epochs):
+        perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
+        mine = perm[hvd.rank()::hvd.size()]
+        model.train()
+        for s in range(steps_per_epoch):
+            idx = mine[s * args.batch_size:(s + 1) * args.batch_size]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            opt.step()
+            bar.update(1)
+        bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", acc=f"{evaluate(model, x_test, y_test):.3f}")
+    hvd.allreduce(torch.zeros(1), name="barrier.end")
+    wall, tx1 = time.perf_counter() - t0, loopback_bytes()[0]
+    bar.close()
+
+    acc = evaluate(model, x_test, y_test)
+    # Parameters must be identical on every rank: compare against rank 0's.
+    flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    same = bool(torch.equal(hvd.broadcast(flat, root_rank=0, name="check.params"), flat))
+    same = hvd.allreduce(torch.tensor([float(same)]), op=hvd.Min, name="check.same").item() == 1.0
+    result = {"compression": args.compression, "ratio": args.ratio if args.compression == "topkef" else None,
+              "ranks": hvd.size(), "steps": total, "test_accuracy": acc,
+              "loopback_tx_bytes": tx1 - tx0,
+              "bytes_per_rank_per_step": (tx1 - tx0) / hvd.size() / total,
+              "wall_s": wall, "params_identical": same,
+              "num_params": sum(q.numel() for q in model.parameters())}
+    if hvd.rank() == 0:
+        print(json.dumps(result))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(result, f)
+
+
+def evaluate(model, x, y):
+    model.eval()
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""hvd_topk: Top-K gradient compression with error feedback for Horovod + PyTorch.
+
+Public names are imported lazily, so that ``hvd_topk.sparsify`` works without Horovod.
+"""
+import importlib
+
+__all__ = ["TopKEF"]
+__version__ = "0.1.0"
+
+_PUBLIC = {"TopKEF": ".compression"}
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    raise AttributeError(f"module 'hvd_topk' has no attribute {name!r}")

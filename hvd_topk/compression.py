@@ -1,0 +1,209 @@
+"""TopKEF: Top-K with error feedback as a stock Horovod ``Compressor`` (AR-Topk transport).
+
+Stock Horovod allreduces whatever ``compress`` returns, so the output must be valid to sum across
+ranks. Each rank's own top-k sits at different indices, so TopKEF uses AR-Topk (Tyagi & Swany,
+arXiv 2312.02493): all ranks send their accumulator at one *shared* index set, chosen by a leader
+rank (STAR: round robin), and the k values are allreduced.
+
+How the index set is shared without a blocking collective per parameter: by default the leader's
+index set for step t+1 is computed during step t and sent with an asynchronous Horovod broadcast
+(int32), which completes while the rest of the step runs; step t+1 only picks up the finished
+result ("one step stale"). ``sync_indices=True`` instead broadcasts the current step's index set
+inside ``compress`` and waits for it (fresh, but one blocking collective per tensor).
+"""
+import math
+import numbers
+from typing import NamedTuple, Optional
+
+import torch
+from horovod.torch import mpi_ops
+from horovod.torch.compression import Compressor
+
+from .memory import ResidualMemory, SlotSequence
+from .sparsify import k_for, scatter_dense, spread_indices, topk_indices
+
+__all__ = ["TopKEF"]
+
+
+class _Ctx(NamedTuple):
+    """What ``decompress`` needs about one compressed gradient."""
+    dense: bool                       # True: passed through unchanged
+    slot: int = -1
+    shape: tuple = ()
+    indices: Optional[torch.Tensor] = None   # shared index set; None when all entries were sent
+    residual: Optional[torch.Tensor] = None  # candidate residual, committed only on a finite step
+
+
+class _ClassOrInstance:
+    """Binds a method to the class's default instance when called on the class itself.
+
+    Horovod calls ``compression.compress(tensor)``; with ``compression=TopKEF`` that is a call on the
+    class, which then uses one shared default instance (ratio 0.01)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj, cls):
+        return self._fn.__get__(cls.default() if obj is None else obj, cls)
+
+
+def _check_ratio(ratio):
+    """ValueError unless 0 < ratio <= 1."""
+    if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
+            or math.isnan(ratio) or not 0.0 < ratio <= 1.0):
+        raise ValueError(f"ratio must be a number in (0, 1] (fraction of elements kept), got {ratio!r}")
+    return float(ratio)
+
+
+class TopKEF(Compressor):
+    """Top-K sparsification with per-rank error feedback, for stock ``hvd.DistributedOptimizer``.
+
+    Per gradient (slot) and rank: ``acc = grad + residual``; the values of ``acc`` at the shared
+    index set (k = max(1, ceil(ratio * numel)) entries) are allreduced; ``residual = acc`` with those
+    entries zeroed. Tensors with fewer than ``min_numel`` elements, and non-floating tensors, pass
+    through unchanged (dense).
+
+    Non-finite gradients: if any rank's ``acc`` holds NaN/Inf, every rank learns it from a flag that
+    rides in the same allreduce; then every rank's decompressed gradient is all NaN (so a loss scaler
+    or ``isfinite`` check skips the step everywhere) and every rank keeps its residual untouched.
+
+    Args:
+        ratio: fraction of elements kept per tensor, in (0, 1]. 1.0 sends everything (dense result).
+        min_numel: tensors with fewer elements go dense; >= 0.
+        sync_indices: share the current step's index set with a blocking broadcast inside compress,
+            instead of the default one-step-stale asynchronous broadcast.
+
+    Example:
+        >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+        ...                                compression=TopKEF)              # ratio 0.01
+        >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+        ...                                compression=TopKEF(ratio=0.001))
+    """
+
+    _instances = 0            # creation counter: names the index broadcasts identically on all ranks
+
+    def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False):
+        self.ratio = _check_ratio(ratio)
+        if isinstance(min_numel, bool) or not isinstance(min_numel, numbers.Integral) or min_numel < 0:
+            raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
+        self.min_numel = int(min_numel)
+        self.sync_indices = bool(sync_indices)
+        # state, per rank
+        self.memory = ResidualMemory()        # slot -> residual
+        self.slots = SlotSequence()           # compress call -> slot, with sequence checks
+        self.steps = {}                       # slot -> steps compressed so far (same on all ranks)
+        self.next_indices = {}                # slot -> (handle or None, int32 index buffer)
+        self._uid = TopKEF._instances
+        TopKEF._instances += 1
+
+    @classmethod
+    def default(cls):
+        """The instance used when the class itself is passed as ``compression=``."""
+        if "_default_instance" not in cls.__dict__:
+            cls._default_instance = cls()
+        return cls._default_instance
+
+    @_ClassOrInstance
+    def compress(self, tensor):
+        """Horovod contract: ``(tensor_to_allreduce, ctx)``; the first is ``[k values..., flag]``."""
+        if not tensor.is_floating_point():
+            return tensor, _Ctx(dense=True)
+        slot = self.slots.next_slot(tensor)
+        if tensor.numel() < self.min_numel:
+            return tensor, _Ctx(dense=True, slot=slot)
+        step = self.steps.get(slot, 0)
+        self.steps[slot] = step + 1
+        acc = self.memory.compensate(slot, tensor)
+        # Summing in float64 cannot overflow for fp32/fp16 inputs, so it is non-finite iff acc is.
+        flag = (~torch.isfinite(acc.sum(dtype=torch.float64))).to(acc.dtype).reshape(1)
+        n, k = acc.numel(), k_for(acc.numel(), self.ratio)
+        if k == n:
+            return torch.cat([acc, flag]), _Ctx(False, slot, tuple(tensor.shape), None, None)
+        indices = self._shared_indices(slot, step, acc, k)
+        values = acc.index_select(0, indices)
+        self._launch_next_indices(slot, step, tensor.reshape(-1), acc, indices, k)
+        acc.index_fill_(0, indices, 0)
+        return torch.cat([values, flag]), _Ctx(False, slot, tuple(tensor.shape), indices, acc)
+
+    @_ClassOrInstance
+    def decompress(self, tensor, ctx):
+        """Horovod contract: the dense aggregated gradient; commits the residual if finite."""
+        if ctx.dense:
+            if ctx.slot >= 0:
+                self.slots.finish_one()
+            return tensor
+        self.slots.finish_one()
+        values, flag = tensor[:-1], tensor[-1]
+        if not bool(torch.isfinite(flag)) or bool(flag != 0):
+            return torch.full(ctx.shape, float("nan"), dtype=tensor.dtype, device=tensor.device)
+        self.memory.update(ctx.slot, ctx.residual)
+        if ctx.indices is None:
+            return values.reshape(ctx.shape)
+        return scatter_dense(values, ctx.indices, math.prod(ctx.shape)).reshape(ctx.shape)
+
+    # -- index sharing (AR-Topk, STAR leader) ------------------------------------------------------
+
+    def _leader(self, slot, step):
+        """STAR: round robin over steps, offset by slot so selection work spreads over ranks."""
+        return (step + slot) % mpi_ops.size()
+
+    def _shared_indices(self, slot, step, acc, k):
+        """The index set every rank uses for ``slot`` at ``step`` (int64)."""
+        if self.sync_indices:
+            leader = self._leader(slot, step)
+            buf = (topk_indices(acc, k).to(torch.int32) if mpi_ops.rank() == leader
+                   else torch.empty(k, dtype=torch.int32, device=acc.device))
+            if mpi_ops.size() > 1:
+                mpi_ops.broadcast_(buf, root_rank=leader, name=self._name(slot))
+            return buf.long()
+        handle, buf = self.next_indices.pop(slot, (None, None))
+        if buf is None or buf.numel() != k:     # first step: any shared set is valid under EF
+            return spread_indices(acc.numel(), k, device=acc.device)
+        if handle is not None:
+            mpi_ops.synchronize(handle)
+        return buf.long()
+
+    def _launch_next_indices(self, slot, step, grad, acc, indices, k):
+        """Leader of step+1 picks its top-k of (residual after this step + this gradient)."""
+        if self.sync_indices:
+            return
+        leader = self._leader(slot, step + 1)
+        if mpi_ops.rank() == leader:
+            # acc still holds the sent values here; predict acc_{t+1} ~ residual_t + grad_t.
+            sent = acc.index_select(0, indices)
+            acc.index_copy_(0, indices, grad.index_select(0, indices))
+            buf = topk_indices(acc, k).to(torch.int32)
+            acc.index_copy_(0, indices, sent)
+        else:
+            buf = torch.empty(k, dtype=torch.int32, device=acc.device)
+        handle = None
+        if mpi_ops.size() > 1:
+            handle = mpi_ops.broadcast_async_(buf, root_rank=leader, name=self._name(slot))
+        self.next_indices[slot] = (handle, buf)
+
+    def _name(self, slot):
+        return f"hvd_topk.TopKEF{self._uid}.indices.{slot}"
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
+        pending = {}
+        for slot, (handle, buf) in self.next_indices.items():
+            if handle is not None:
+                mpi_ops.synchronize(handle)
+            pending[slot] = buf.clone()
+        self.next_indices = {slot: (None, buf) for slot, buf in pending.items()}
+        return {"ratio": self.ratio, "signatures": list(self.slots.signatures),
+                "residuals": self.memory.state_dict(), "steps": dict(self.steps),
+                "next_indices": {slot: buf.clone() for slot, buf in pending.items()}}
+
+    def load_state_dict(self, state):
+        """Restore what ``state_dict`` returned on this rank."""
+        self.slots = SlotSequence()
+        self.slots.signatures = list(state["signatures"])
+        self.slots.complete = bool(self.slots.signatures)
+        self.memory.load_state_dict(state["residuals"])
+        self.steps = dict(state["steps"])
+        self.next_indices = {slot: (None, buf.clone()) for slot, buf in state["next_indices"].items()}

@@ -1,0 +1,114 @@
+"""Launch real multi-rank jobs (horovodrun with Gloo, or mpirun) with a hard timeout.
+
+Used by the demo, the benchmarks and the tests: a failed or hung rank ends the whole job (its process
+group is killed) instead of hanging the caller.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import psutil
+
+__all__ = ["launch_command", "run_job", "JobFailed"]
+
+
+class JobFailed(RuntimeError):
+    """A launched job exited non-zero or ran past its timeout; carries its output."""
+
+    def __init__(self, message, output=""):
+        super().__init__(f"{message}\n--- job output (tail) ---\n{output[-6000:]}")
+        self.output = output
+
+
+def _tool(name):
+    """Path of a launcher next to this interpreter (the venv) or on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return here if os.path.exists(here) else (shutil.which(name) or name)
+
+
+def launch_command(np, argv, backend="gloo"):
+    """Command line that starts ``np`` local ranks of ``argv`` (a list, e.g. [python, script, ...]).
+
+    Args:
+        np: number of ranks, >= 1.
+        argv: the per-rank command.
+        backend: ``"gloo"`` (horovodrun --gloo), ``"mpi"`` (mpirun over TCP, no shared memory, so that
+            traffic crosses the loopback) or ``"horovodrun-mpi"`` (horovodrun --mpi).
+    """
+    if backend == "gloo":
+        return [_tool("horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+                "--network-interface", "lo", *argv]
+    if backend == "horovodrun-mpi":
+        return [_tool("horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi",
+                "--mpi-args=--oversubscribe --mca btl tcp,self --mca btl_tcp_if_include lo", *argv]
+    if backend == "mpi":
+        return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
+                "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
+                "--mca", "oob_tcp_if_include", "lo", "-x", "PATH", "-x", "PYTHONPATH", *argv]
+    raise ValueError(f"backend must be 'gloo', 'mpi' or 'horovodrun-mpi', got {backend!r}")
+
+
+def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None, stream=False):
+    """Run a multi-rank job to completion; return its combined output, or raise JobFailed.
+
+    Args:
+        np, argv, backend: as for ``launch_command``.
+        timeout: seconds; past it every process of the job is killed and JobFailed raised.
+        prefix: command prefix, e.g. ``Namespace.prefix`` to run inside a network namespace.
+        env: extra environment variables.
+        stream: also copy the job's output to this process's stdout as it comes (progress bars).
+    """
+    full_env = dict(os.environ)
+    # Running as root (containers, CI): OpenMPI refuses unless told it is deliberate.
+    full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    cmd = [*prefix, *launch_command(np, argv, backend)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=full_env, cwd=cwd, start_new_session=True)
+    expired = threading.Event()
+
+    def expire():
+        expired.set()
+        _kill_tree(proc)
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
+    chunks = []
+    try:
+        for chunk in iter(lambda: os.read(proc.stdout.fileno(), 65536), b""):
+            chunks.append(chunk)
+            if stream:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+        proc.wait()
+    finally:
+        timer.cancel()
+        _kill_tree(proc)   # ranks a dead launcher left behind
+        proc.stdout.close()
+    out = b"".join(chunks).decode(errors="replace")
+    if expired.is_set():
+        raise JobFailed(f"job timed out after {timeout}s: {' '.join(cmd)}", out)
+    if proc.returncode != 0:
+        raise JobFailed(f"job exited with {proc.returncode}: {' '.join(cmd)}", out)
+    return out
+
+
+def _kill_tree(proc):
+    """SIGKILL the launcher and every descendant (launchers start ranks in sessions of their own)."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,152 @@
+"""TopKEF logic in one process (world size 1: Horovod's collectives are local)."""
+import math
+
+import pytest
+import torch
+
+from hvd_topk import TopKEF
+from hvd_topk.sparsify import k_for
+
+
+def run_step(comp, grads):
+    """One step as Horovod runs it: compress every gradient, (allreduce: the identity at size 1), then
+    decompress every one. Returns [(this rank's sent contribution, decompressed result)]."""
+    compressed = [comp.compress(g) for g in grads]
+    results = []
+    for g, (out, ctx) in zip(grads, compressed):
+        sent = torch.zeros(g.numel(), dtype=g.dtype)
+        if ctx.indices is None:
+            sent = out[:-1].clone()
+        else:
+            sent.index_copy_(0, ctx.indices, out[:-1])
+        results.append((sent, comp.decompress(out.clone(), ctx)))
+    return results
+
+
+def roundtrip(comp, grad):
+    """A step with a single gradient; returns (sent, result)."""
+    return run_step(comp, [grad])[0]
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), float("inf"), "0.1", None, True])
+def test_bad_ratio_names_argument_and_range(bad):
+    with pytest.raises(ValueError, match=r"ratio must be a number in \(0, 1\]"):
+        TopKEF(ratio=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "3", None])
+def test_bad_min_numel_names_argument_and_range(bad):
+    with pytest.raises(ValueError, match="min_numel must be an integer >= 0"):
+        TopKEF(min_numel=bad)
+
+
+def test_k_for_rounds_up_and_keeps_at_least_one():
+    assert k_for(1000, 0.01) == 10
+    assert k_for(1001, 0.01) == 11
+    assert k_for(5, 0.001) == 1
+    assert k_for(7, 1.0) == 7
+
+
+def test_class_usage_uses_default_instance_with_ratio_001(hvd):
+    assert TopKEF.default().ratio == 0.01
+    assert TopKEF.default() is TopKEF.default()
+    g = torch.randn(5000)
+    out, ctx = TopKEF.compress(g)
+    assert out.numel() == math.ceil(0.01 * 5000) + 1     # k values + the finite flag
+    assert TopKEF.decompress(out, ctx).shape == g.shape
+
+
+def test_small_and_integer_tensors_pass_through_unchanged(hvd):
+    comp = TopKEF(min_numel=100)
+    small = torch.randn(99)
+    ints = torch.arange(1000)
+    for t in (small, ints):
+        out, ctx = comp.compress(t)
+        assert out is t and ctx.dense
+        assert comp.decompress(out, ctx) is t
+
+
+def test_error_feedback_invariant_float64(hvd):
+    torch.manual_seed(0)
+    comp = TopKEF(ratio=0.05, min_numel=0)
+    shapes = [(40, 30), (40, 30), (300,)]          # two slots share a shape: must not mix
+    total_grad = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
+    total_sent = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
+    for _ in range(30):
+        grads = [torch.randn(s, dtype=torch.float64) * (i + 1) for i, s in enumerate(shapes)]
+        for i, (g, (sent, _)) in enumerate(zip(grads, run_step(comp, grads))):
+            total_grad[i] += g.reshape(-1)
+            total_sent[i] += sent
+    for i in range(len(shapes)):
+        residual = comp.memory.residuals[i]
+        torch.testing.assert_close(total_sent[i] + residual, total_grad[i], rtol=0, atol=1e-12)
+        assert residual.abs().sum() > 0
+
+
+def test_decompressed_gradient_is_sparse_with_k_nonzeros(hvd):
+    comp = TopKEF(ratio=0.01, min_numel=0)
+    g = torch.randn(10_000)
+    for _ in range(3):
+        _, dense = roundtrip(comp, g)
+        assert int((dense != 0).sum()) == 100
+
+
+def test_leader_picks_true_topk_of_accumulator_for_next_step(hvd):
+    comp = TopKEF(ratio=0.01, min_numel=0)
+    g = torch.zeros(1000)
+    g[[3, 500, 999]] = torch.tensor([5.0, -7.0, 6.0])
+    g[10:20] = 0.001
+    _, dense0 = roundtrip(comp, g)            # step 0: evenly spaced bootstrap set (0, 100, ..., 900)
+    assert torch.nonzero(dense0).flatten().tolist() == [500]
+    _, dense1 = roundtrip(comp, torch.zeros(1000))   # step 1: the leader's top-k from step 0
+    assert dense1[3] == 5.0 and dense1[999] == 6.0   # the two largest held back are sent now
+    assert dense1[500] == 0 and int((dense1 != 0).sum()) <= 10   # 500 went at step 0
+
+
+def test_ratio_one_returns_the_gradient_exactly(hvd):
+    comp = TopKEF(ratio=1.0, min_numel=0)
+    for _ in range(3):
+        g = torch.randn(64, 64)
+        sent, dense = roundtrip(comp, g)
+        assert torch.equal(dense, g)
+        assert comp.memory.residuals[0] is None
+
+
+def test_changed_gradient_sequence_raises_instead_of_mixing_residuals(hvd):
+    comp = TopKEF(ratio=0.1, min_numel=0)
+    a, b = torch.randn(100), torch.randn(50)
+    run_step(comp, [a, b])
+    with pytest.raises(ValueError, match="sequence of gradients changed"):
+        comp.compress(b)                                   # a different first gradient
+    comp2 = TopKEF(ratio=0.1, min_numel=0)
+    run_step(comp2, [a, b])
+    out, ctx = comp2.compress(a)                           # second step misses b (frozen layer)
+    with pytest.raises(ValueError, match="compressed 1 gradients, the first step 2"):
+        comp2.decompress(out, ctx)
+
+
+def test_non_finite_gradient_gives_nan_everywhere_and_keeps_residual(hvd):
+    comp = TopKEF(ratio=0.1, min_numel=0)
+    roundtrip(comp, torch.randn(200))
+    before = comp.memory.residuals[0].clone()
+    g = torch.randn(200)
+    g[17] = float("inf")
+    _, dense = roundtrip(comp, g)
+    assert torch.isnan(dense).all()
+    assert torch.equal(comp.memory.residuals[0], before)
+    _, dense = roundtrip(comp, torch.randn(200))        # next finite step proceeds normally
+    assert torch.isfinite(dense).all()
+
+
+def test_state_dict_roundtrip_continues_identically(hvd):
+    torch.manual_seed(0)
+    grads = [torch.randn(500) for _ in range(8)]
+    ref = TopKEF(ratio=0.02, min_numel=0)
+    outs_ref = [roundtrip(ref, g)[1] for g in grads]
+    first = TopKEF(ratio=0.02, min_numel=0)
+    for g in grads[:4]:
+        roundtrip(first, g)
+    resumed = TopKEF(ratio=0.02, min_numel=0)
+    resumed.load_state_dict(first.state_dict())
+    for g, expected in zip(grads[4:], outs_ref[4:]):
+        assert torch.equal(roundtrip(resumed, g)[1], expected)
