@@ -5,11 +5,8 @@ ranks. Each rank's own top-k sits at different indices, so TopKEF uses AR-Topk (
 arXiv 2312.02493): all ranks send their accumulator at one *shared* index set, chosen by a leader
 rank (STAR: round robin), and the k values are allreduced.
 
-How the index set is shared without a blocking collective per parameter: by default the leader's
-index set for step t+1 is computed during step t and sent with an asynchronous Horovod broadcast
-(int32), which completes while the rest of the step runs; step t+1 only picks up the finished
-result ("one step stale"). ``sync_indices=True`` instead broadcasts the current step's index set
-inside ``compress`` and waits for it (fresh, but one blocking collective per tensor).
+How the index set is shared without a blocking collective per parameter: see ``comm.IndexPipeline``
+(one step stale, asynchronous broadcast; ``sync_indices=True`` broadcasts inside compress and waits).
 """
 import math
 import numbers
@@ -20,7 +17,8 @@ from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
 from .memory import ResidualMemory, SlotSequence
-from .sparsify import k_for, scatter_dense, spread_indices, topk_indices
+from .comm import IndexPipeline, star_leader
+from .sparsify import k_for, scatter_dense
 
 __all__ = ["TopKEF"]
 
@@ -93,8 +91,7 @@ class TopKEF(Compressor):
         self.memory = ResidualMemory()        # slot -> residual
         self.slots = SlotSequence()           # compress call -> slot, with sequence checks
         self.steps = {}                       # slot -> steps compressed so far (same on all ranks)
-        self.next_indices = {}                # slot -> (handle or None, int32 index buffer)
-        self._uid = TopKEF._instances
+        self.index_sets = IndexPipeline(f"hvd_topk.TopKEF{TopKEF._instances}.indices", sync=sync_indices)
         TopKEF._instances += 1
 
     @classmethod
@@ -120,9 +117,9 @@ class TopKEF(Compressor):
         n, k = acc.numel(), k_for(acc.numel(), self.ratio)
         if k == n:
             return torch.cat([acc, flag]), _Ctx(False, slot, tuple(tensor.shape), None, None)
-        indices = self._shared_indices(slot, step, acc, k)
+        indices = self.index_sets.current(slot, acc, k, self._leader(slot, step))
         values = acc.index_select(0, indices)
-        self._launch_next_indices(slot, step, tensor.reshape(-1), acc, indices, k)
+        self.index_sets.launch_next(slot, acc, tensor.reshape(-1), indices, k, self._leader(slot, step + 1))
         acc.index_fill_(0, indices, 0)
         return torch.cat([values, flag]), _Ctx(False, slot, tuple(tensor.shape), indices, acc)
 
@@ -142,62 +139,16 @@ class TopKEF(Compressor):
             return values.reshape(ctx.shape)
         return scatter_dense(values, ctx.indices, math.prod(ctx.shape)).reshape(ctx.shape)
 
-    # -- index sharing (AR-Topk, STAR leader) ------------------------------------------------------
-
     def _leader(self, slot, step):
-        """STAR: round robin over steps, offset by slot so selection work spreads over ranks."""
-        return (step + slot) % mpi_ops.size()
-
-    def _shared_indices(self, slot, step, acc, k):
-        """The index set every rank uses for ``slot`` at ``step`` (int64)."""
-        if self.sync_indices:
-            leader = self._leader(slot, step)
-            buf = (topk_indices(acc, k).to(torch.int32) if mpi_ops.rank() == leader
-                   else torch.empty(k, dtype=torch.int32, device=acc.device))
-            if mpi_ops.size() > 1:
-                mpi_ops.broadcast_(buf, root_rank=leader, name=self._name(slot))
-            return buf.long()
-        handle, buf = self.next_indices.pop(slot, (None, None))
-        if buf is None or buf.numel() != k:     # first step: any shared set is valid under EF
-            return spread_indices(acc.numel(), k, device=acc.device)
-        if handle is not None:
-            mpi_ops.synchronize(handle)
-        return buf.long()
-
-    def _launch_next_indices(self, slot, step, grad, acc, indices, k):
-        """Leader of step+1 picks its top-k of (residual after this step + this gradient)."""
-        if self.sync_indices:
-            return
-        leader = self._leader(slot, step + 1)
-        if mpi_ops.rank() == leader:
-            # acc still holds the sent values here; predict acc_{t+1} ~ residual_t + grad_t.
-            sent = acc.index_select(0, indices)
-            acc.index_copy_(0, indices, grad.index_select(0, indices))
-            buf = topk_indices(acc, k).to(torch.int32)
-            acc.index_copy_(0, indices, sent)
-        else:
-            buf = torch.empty(k, dtype=torch.int32, device=acc.device)
-        handle = None
-        if mpi_ops.size() > 1:
-            handle = mpi_ops.broadcast_async_(buf, root_rank=leader, name=self._name(slot))
-        self.next_indices[slot] = (handle, buf)
-
-    def _name(self, slot):
-        return f"hvd_topk.TopKEF{self._uid}.indices.{slot}"
+        return star_leader(slot, step, mpi_ops.size())
 
     # -- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
-        pending = {}
-        for slot, (handle, buf) in self.next_indices.items():
-            if handle is not None:
-                mpi_ops.synchronize(handle)
-            pending[slot] = buf.clone()
-        self.next_indices = {slot: (None, buf) for slot, buf in pending.items()}
         return {"ratio": self.ratio, "signatures": list(self.slots.signatures),
                 "residuals": self.memory.state_dict(), "steps": dict(self.steps),
-                "next_indices": {slot: buf.clone() for slot, buf in pending.items()}}
+                "next_indices": self.index_sets.state_dict()}
 
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on this rank."""
@@ -206,4 +157,4 @@ class TopKEF(Compressor):
         self.slots.complete = bool(self.slots.signatures)
         self.memory.load_state_dict(state["residuals"])
         self.steps = dict(state["steps"])
-        self.next_indices = {slot: (None, buf.clone()) for slot, buf in state["next_indices"].items()}
+        self.index_sets.load_state_dict(state["next_indices"])
