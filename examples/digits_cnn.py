@@ -1,8 +1,13 @@
-"""Small CNN on scikit-learn's shipped digits (8x8), dense Horovod vs. TopKEF in stock Horovod.
+"""Small CNN on scikit-learn's shipped digits (8x8): dense Horovod, TopKEF in stock Horovod, or
+hvd_topk.DistributedOptimizer (momentum correction, warm-up, transports).
 
 Launch (2 ranks, Gloo, on this machine):
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression topkef
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression none
+    horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression hvd_topk \
+        --ratio 0.001 --warmup-epochs 4
+    horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression hvd_topk \
+        --optimizer adam --lr 0.001 --communication allgather
     mpirun -np 2 python examples/digits_cnn.py --compression topkef --ratio 0.001
 Bytes per step come from the loopback's interface counters; run it in a private network namespace
 (examples/demo.py does) so that they count this job's traffic only.
@@ -19,12 +24,20 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from tqdm import tqdm
 
+import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk.wire import loopback_bytes
 
 # -- arguments (one screen) ----------------------------------------------------------------------
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--compression", choices=["none", "fp16", "topkef"], default="topkef")
+p.add_argument("--compression", choices=["none", "fp16", "topkef", "hvd_topk"], default="topkef")
+p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+p.add_argument("--communication", choices=["artopk", "allgather", "dense"], default="artopk",
+               help="hvd_topk: transport")
+p.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
+p.add_argument("--momentum-correction", choices=["auto", "on", "off"], default="auto",
+               help="hvd_topk: DGC momentum correction (auto: on for SGD with momentum)")
+p.add_argument("--warmup-epochs", type=int, default=0, help="hvd_topk: DGC warm-up epochs")
 p.add_argument("--ratio", type=float, default=0.01, help="TopKEF: fraction of elements kept")
 p.add_argument("--min-numel", type=int, default=1024, help="TopKEF: smaller tensors go dense")
 p.add_argument("--epochs", type=int, default=20)
@@ -64,11 +77,21 @@ def main():
     x_train, y_train = x[order[n_test:]], y[order[n_test:]]
 
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
-                   "topkef": TopKEF(ratio=args.ratio, min_numel=args.min_numel)}[args.compression]
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=compression)
+    if args.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if args.compression == "hvd_topk":
+        opt = hvd_topk.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(),
+            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel),
+            communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
+            momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction])
+    else:
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+                       "topkef": TopKEF(ratio=args.ratio, min_numel=args.min_numel)}[args.compression]
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -81,6 +104,8 @@ def main():
     for epoch in range(args.epochs):
         perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         mine = perm[hvd.rank()::hvd.size()]
+        if args.compression == "hvd_topk":
+            opt.set_epoch(epoch)
         model.train()
         for s in range(steps_per_epoch):
             idx = mine[s * args.batch_size:(s + 1) * args.batch_size]
@@ -99,7 +124,8 @@ def main():
     flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
     same = bool(torch.equal(hvd.broadcast(flat, root_rank=0, name="check.params"), flat))
     same = hvd.allreduce(torch.tensor([float(same)]), op=hvd.Min, name="check.same").item() == 1.0
-    result = {"compression": args.compression, "ratio": args.ratio if args.compression == "topkef" else None,
+    result = {"compression": args.compression, "optimizer": args.optimizer,
+              "ratio": args.ratio if args.compression in ("topkef", "hvd_topk") else None,
               "ranks": hvd.size(), "steps": total, "test_accuracy": acc,
               "loopback_tx_bytes": tx1 - tx0,
               "bytes_per_rank_per_step": (tx1 - tx0) / hvd.size() / total,

@@ -4,10 +4,11 @@ Public names are imported lazily, so that ``hvd_topk.sparsify`` works without Ho
 """
 import importlib
 
-__all__ = ["TopKEF"]
+__all__ = ["TopKEF", "DistributedOptimizer", "save_checkpoint", "load_checkpoint"]
 __version__ = "0.1.0"
 
-_PUBLIC = {"TopKEF": ".compression"}
+_PUBLIC = {"TopKEF": ".compression", "DistributedOptimizer": ".optimizer",
+           "save_checkpoint": ".checkpoint", "load_checkpoint": ".checkpoint"}
 
 
 def __getattr__(name):

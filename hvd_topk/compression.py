@@ -18,7 +18,7 @@ from horovod.torch.compression import Compressor
 
 from .memory import ResidualMemory, SlotSequence
 from .comm import IndexPipeline, star_leader
-from .sparsify import k_for, scatter_dense
+from .sparsify import k_for, scatter_dense, sq_norm_finite
 
 __all__ = ["TopKEF"]
 
@@ -112,8 +112,8 @@ class TopKEF(Compressor):
         step = self.steps.get(slot, 0)
         self.steps[slot] = step + 1
         acc = self.memory.compensate(slot, tensor)
-        # Summing in float64 cannot overflow for fp32/fp16 inputs, so it is non-finite iff acc is.
-        flag = (~torch.isfinite(acc.sum(dtype=torch.float64))).to(acc.dtype).reshape(1)
+        finite = sq_norm_finite(acc)[1]
+        flag = torch.tensor([0.0 if finite else 1.0], dtype=acc.dtype, device=acc.device)
         n, k = acc.numel(), k_for(acc.numel(), self.ratio)
         if k == n:
             return torch.cat([acc, flag]), _Ctx(False, slot, tuple(tensor.shape), None, None)

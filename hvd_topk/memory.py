@@ -7,7 +7,7 @@ Error-feedback invariant (Stich 2018; Karimireddy 2019), per slot and per rank, 
 where ``sent_t`` is this rank's contribution before the collective. Residuals are per rank: they are
 never averaged, broadcast or dropped; a skipped (non-finite) step leaves them untouched.
 """
-import torch
+from .sparsify import sq_norm_finite
 
 __all__ = ["SlotSequence", "ResidualMemory"]
 
@@ -89,8 +89,7 @@ class ResidualMemory:
 
     def norm(self):
         """L2 norm of all residuals together (float)."""
-        total = sum(float(r.double().pow(2).sum()) for r in self.residuals.values() if r is not None)
-        return total ** 0.5
+        return sum(sq_norm_finite(r)[0] for r in self.residuals.values() if r is not None) ** 0.5
 
     def state_dict(self):
         return {key: (None if r is None else r.detach().clone()) for key, r in self.residuals.items()}

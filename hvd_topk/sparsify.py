@@ -3,7 +3,7 @@ import math
 
 import torch
 
-__all__ = ["k_for", "topk_indices", "spread_indices", "scatter_dense"]
+__all__ = ["k_for", "topk_indices", "spread_indices", "scatter_dense", "sq_norm_finite"]
 
 
 def k_for(numel, ratio):
@@ -54,3 +54,16 @@ def scatter_dense(values, indices, numel):
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     out.index_copy_(0, indices, values)
     return out
+
+
+def sq_norm_finite(x):
+    """(||x||^2 as a float, whether every entry of x is finite), in one fast pass.
+
+    The float32 dot product overflows to inf only for enormous finite values; only then is the exact
+    ``isfinite`` check run, so a finite tensor is never reported non-finite.
+    """
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    sq = float(torch.dot(xf, xf))
+    if math.isfinite(sq):
+        return sq, True
+    return sq, bool(torch.isfinite(x).all())

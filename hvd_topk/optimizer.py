@@ -1,0 +1,398 @@
+"""hvd_topk.DistributedOptimizer: Horovod's distributed optimizer with Top-K transports and DGC.
+
+Built like Horovod's own factory: a dynamic subclass of the user's optimizer class whose methods are
+Horovod's ``_DistributedOptimizer`` with one extension point replaced: ``_allreduce_grad_async(p)``
+returns a *callable* handle (Horovod's ``synchronize`` calls it) that finishes our transport and
+returns the aggregated dense gradient. Horovod itself is not edited or patched.
+"""
+import math
+import numbers
+import time
+from typing import NamedTuple
+
+import torch
+from horovod.torch import mpi_ops
+from horovod.torch.compression import Compression
+from horovod.torch.mpi_ops import Average, Sum
+from horovod.torch.optimizer import _DistributedOptimizer
+
+from .comm import IndexPipeline, allgather_sparse_async, scatter_add_gathered, star_leader
+from .compression import TopKEF
+from .memory import ResidualMemory
+from .sparsify import k_for, scatter_dense, sq_norm_finite, topk_indices
+from .stats import StepStats
+
+__all__ = ["DistributedOptimizer", "COMMUNICATIONS", "LEADERS"]
+
+COMMUNICATIONS = ("artopk", "allgather", "dense")
+LEADERS = ("star", "var")
+STATE_KEY = "hvd_topk"
+
+
+def _check_count(name, value):
+    """ValueError unless value is an integer >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+class _Momentum(NamedTuple):
+    """SGD settings of one parameter, moved out of the inner optimizer by momentum correction."""
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
+
+
+class _TopKState:
+    """Everything hvd_topk keeps per optimizer, per rank. Never broadcast (residuals are per rank)."""
+
+    def __init__(self, names, compression, communication, leader, value_dtype, warmup_steps,
+                 warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler):
+        # configuration
+        self.ratio = compression.ratio
+        self.min_numel = compression.min_numel
+        self.communication, self.leader, self.value_dtype = communication, leader, value_dtype
+        self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
+        self.clip_grad_norm, self.grad_scaler = clip_grad_norm, grad_scaler
+        self.op = op
+        self.prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
+        self.postscale = gradient_predivide_factor if op == Average else 1.0
+        self.key_index = {name: i for i, name in enumerate(sorted(names))}   # same on all ranks
+        self.momentum = {}                    # name -> _Momentum, for momentum-corrected parameters
+        # per-rank state
+        self.residuals = ResidualMemory()     # name -> v (DGC) or e (plain error feedback)
+        self.velocities = {}                  # name -> u, DGC momentum buffer
+        self.index_sets = IndexPipeline("hvd_topk.opt.indices")
+        self.step = 0                         # synchronized steps, identical on all ranks
+        self.epoch = 0
+        self.score = 0.0                      # VAR: EWMA of this rank's squared gradient norm
+        self.scores = None                    # VAR: everybody's scores, gathered once per step
+        self.score_handle = None
+        self.step_sq_norm = 0.0
+        self.stats = StepStats()
+
+    # -- schedules ---------------------------------------------------------------------------------
+
+    def density(self, step):
+        """DGC warm-up: ratio ** ((t + 1) / (W + 1)) for t < W steps (or epochs), then ratio."""
+        if self.warmup_epochs and self.epoch < self.warmup_epochs:
+            return self.ratio ** ((self.epoch + 1) / (self.warmup_epochs + 1))
+        if step < self.warmup_steps:
+            return self.ratio ** ((step + 1) / (self.warmup_steps + 1))
+        return self.ratio
+
+    def leader_for(self, name, step):
+        """Rank that picks the index set of ``name`` for ``step`` (identical on all ranks)."""
+        if self.leader == "var" and self.scores is not None:
+            return int(torch.argmax(self.scores))            # lowest rank wins ties
+        return star_leader(self.key_index[name], step, mpi_ops.size())
+
+    # -- one parameter -----------------------------------------------------------------------------
+
+    def submit(self, p, name):
+        """Start the transport of p's gradient; returns a callable giving the aggregated gradient."""
+        if self.leader == "var" and self.score_handle is not None:
+            self.scores = mpi_ops.synchronize(self.score_handle).reshape(-1)
+            self.score_handle = None
+        g = p.grad.reshape(-1)
+        if self.grad_scaler is not None:
+            g = g * (1.0 / self.grad_scaler.get_scale())
+        if self.clip_grad_norm is not None:
+            limit = self.clip_grad_norm / math.sqrt(mpi_ops.size())
+            norm = float(g.norm())
+            if norm > limit:
+                g = g * (limit / norm)
+        mom = self.momentum.get(name)
+        u_new = None
+        if mom is not None:
+            if mom.weight_decay:
+                g = g + mom.weight_decay * p.detach().reshape(-1)
+            u = self.velocities.get(name)
+            u_new = g.clone() if u is None else u * mom.momentum + (1.0 - mom.dampening) * g
+            g = g + mom.momentum * u_new if mom.nesterov else u_new
+        dense = (self.communication == "dense" or p.dim() <= 1 or p.numel() < self.min_numel
+                 or not p.is_floating_point())
+        if dense:
+            return self._submit_dense(p, name, g, u_new)
+        return self._submit_sparse(p, name, g, u_new)
+
+    def _submit_dense(self, p, name, g, u_new):
+        """Plain allreduce (momentum, if corrected, is applied locally first: it is linear)."""
+        self.stats.add_sent(g.numel() * g.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
+        handle = mpi_ops.allreduce_async_(g, name=f"hvd_topk.dense.{name}", op=self.op,
+                                          prescale_factor=self.prescale, postscale_factor=self.postscale)
+
+        def finish():
+            out = mpi_ops.synchronize(handle)
+            if u_new is not None:
+                if not bool(torch.isfinite(out.sum(dtype=torch.float64))):
+                    return self._skipped(p)
+                self.velocities[name] = u_new
+            return self._unscale_out(out).reshape(p.shape)
+        return finish
+
+    def _submit_sparse(self, p, name, g, u_new):
+        t0 = time.perf_counter()
+        acc = self.residuals.compensate(name, g)
+        acc_sq, finite = sq_norm_finite(acc)
+        flag = torch.tensor([0.0 if finite else 1.0], dtype=acc.dtype, device=acc.device)
+        self.step_sq_norm += acc_sq if math.isfinite(acc_sq) else 0.0
+        n = acc.numel()
+        k, k_next = k_for(n, self.density(self.step)), k_for(n, self.density(self.step + 1))
+        vdtype = self.value_dtype or acc.dtype
+        if self.communication == "artopk":
+            if k == n:
+                indices, values = None, acc
+            else:
+                indices = self.index_sets.current(name, acc, k, self.leader_for(name, self.step))
+                values = acc.index_select(0, indices)
+                if k_next < n:
+                    self.index_sets.launch_next(name, acc, g, indices, k_next,
+                                                self.leader_for(name, self.step + 1))
+            sent_sq = sq_norm_finite(values)[0]
+            buf = torch.cat([values.to(vdtype), flag.to(vdtype)])
+            self.stats.add_sent(buf.numel() * buf.element_size(), sent_sq, acc_sq,
+                                select_s=time.perf_counter() - t0)
+            handle = mpi_ops.allreduce_async_(buf, name=f"hvd_topk.values.{name}", op=self.op,
+                                              prescale_factor=self.prescale, postscale_factor=self.postscale)
+            residual = None if indices is None else acc.index_fill_(0, indices, 0)
+
+            def finish():
+                out = mpi_ops.synchronize(handle)
+                if not bool(torch.isfinite(out[-1])) or bool(out[-1] != 0):
+                    return self._skipped(p)
+                self._commit(name, residual, u_new, indices)
+                vals = out[:-1].to(p.dtype)
+                dense = vals if indices is None else scatter_dense(vals, indices, n)
+                return self._unscale_out(dense).reshape(p.shape)
+            return finish
+
+        indices = torch.arange(n, device=acc.device) if k == n else topk_indices(acc, k)
+        values = acc.index_select(0, indices)
+        sent_sq = sq_norm_finite(values)[0]
+        vbuf = torch.cat([values.to(vdtype), flag.to(vdtype)])
+        self.stats.add_sent(vbuf.numel() * vbuf.element_size() + 4 * k, sent_sq, acc_sq,
+                            select_s=time.perf_counter() - t0)
+        handles = allgather_sparse_async(vbuf, torch.cat([indices, indices.new_full((1,), n)]),
+                                         f"hvd_topk.allgather.{name}")
+        residual = None if k == n else acc.index_fill_(0, indices, 0)
+
+        def finish():
+            # Every rank's flag sits at index n (one past the end) in its set; a dense vector of
+            # n + 1 elements catches all flags in its last entry.
+            dense = scatter_add_gathered(handles, n + 1, p.dtype)
+            if not bool(torch.isfinite(dense[-1])) or bool(dense[-1] != 0):
+                return self._skipped(p)
+            self._commit(name, residual, u_new, None if k == n else indices)
+            dense = dense[:-1].to(p.dtype)
+            if self.op == Average:
+                dense.mul_(1.0 / mpi_ops.size())
+            return self._unscale_out(dense).reshape(p.shape)
+        return finish
+
+    def _commit(self, name, residual, u_new, indices):
+        """Finite step: keep the new residual; DGC factor masking zeroes momentum where sent."""
+        self.residuals.update(name, residual)
+        if u_new is not None:
+            if indices is not None:
+                u_new.index_fill_(0, indices, 0)
+            self.velocities[name] = u_new
+
+    def _skipped(self, p):
+        """Some rank's gradient was non-finite: all-NaN gradient everywhere, state untouched."""
+        self.stats.skipped = True
+        return torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
+
+    def _unscale_out(self, dense):
+        """Hand the loss scaler gradients in its scaled units (we accumulate unscaled ones)."""
+        return dense if self.grad_scaler is None else dense * self.grad_scaler.get_scale()
+
+    def end_step(self, comm_s):
+        """After every parameter is synchronized: advance the step, share the VAR score."""
+        self.stats.end_step(density=self.density(self.step), comm_s=comm_s)
+        self.step += 1
+        if self.leader == "var" and mpi_ops.size() > 1:
+            self.score = 0.9 * self.score + 0.1 * self.step_sq_norm
+            self.score_handle = mpi_ops.allgather_async(torch.tensor([self.score], dtype=torch.float64),
+                                                        name="hvd_topk.var.score")
+        self.step_sq_norm = 0.0
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self):
+        if self.score_handle is not None:
+            self.scores = mpi_ops.synchronize(self.score_handle).reshape(-1)
+            self.score_handle = None
+        return {"world_size": mpi_ops.size(), "rank": mpi_ops.rank(),
+                "names": sorted(self.key_index), "step": self.step, "epoch": self.epoch,
+                "residuals": self.residuals.state_dict(),
+                "velocities": {k: v.clone() for k, v in self.velocities.items()},
+                "index_sets": self.index_sets.state_dict(), "score": self.score,
+                "scores": None if self.scores is None else self.scores.clone()}
+
+    def check_loadable(self, state):
+        """ValueError if ``state`` belongs to another world size or model."""
+        if state["world_size"] != mpi_ops.size():
+            raise ValueError(f"checkpoint holds the residuals of {state['world_size']} ranks, this job "
+                             f"has {mpi_ops.size()}; residuals are per rank and cannot be re-split "
+                             "(start the optimizer fresh, or resume with the same number of ranks)")
+        if state["names"] != sorted(self.key_index):
+            raise ValueError("checkpoint was written for a model with other parameters "
+                             f"({len(state['names'])} vs {len(self.key_index)} named tensors)")
+
+    def load_state_dict(self, state):
+        self.check_loadable(state)
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.residuals.load_state_dict(state["residuals"])
+        self.velocities = {k: v.clone() for k, v in state["velocities"].items()}
+        self.index_sets.load_state_dict(state["index_sets"])
+        self.score, self.scores = state["score"], state["scores"]
+        self.score_handle = None
+
+
+# -- methods of the dynamic class (Horovod's style: super(self.__class__, self)) ---------------------
+
+def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_step, op,
+          gradient_predivide_factor, process_set, momentum_correction):
+    _DistributedOptimizer.__init__(self, params, named_parameters, Compression.none,
+                                   backward_passes_per_step, op, gradient_predivide_factor,
+                                   None, False, process_set)
+    self._hvd_topk = hvd_topk_state
+    if not self._grad_accs and self.process_set.included():
+        self._register_hooks()        # Horovod skips hooks at world size 1; we still need them
+    if momentum_correction:
+        for group in self.param_groups:
+            mom = _Momentum(group.get("momentum", 0.0), group.get("dampening", 0.0),
+                            bool(group.get("nesterov", False)), group.get("weight_decay", 0.0))
+            for q in group["params"]:
+                self._hvd_topk.momentum[self._parameter_names[q]] = mom
+            # The inner optimizer applies the aggregated update without momentum or weight decay:
+            # both already live in the per-rank buffers (DGC momentum correction).
+            group.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
+
+
+def _allreduce_grad_async(self, p):
+    if p.grad is None:
+        p.grad = p.data.new(p.size()).zero_()
+    return self._hvd_topk.submit(p, self._parameter_names.get(p)), None
+
+
+def _synchronize(self):
+    t0 = time.perf_counter()
+    _DistributedOptimizer.synchronize(self)
+    self._hvd_topk.end_step(comm_s=time.perf_counter() - t0)
+
+
+def _zero_grad(self, set_to_none=True):
+    if self._handles:
+        raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                             "optimizer.step() or optimizer.synchronize(); this would race with the "
+                             "gradient communication")
+    return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
+def _state_dict(self):
+    state = super(self.__class__, self).state_dict()
+    state[STATE_KEY] = self._hvd_topk.state_dict()
+    return state
+
+
+def _load_state_dict(self, state_dict):
+    state_dict = dict(state_dict)
+    ours = state_dict.pop(STATE_KEY, None)
+    if ours is None:
+        raise ValueError("state_dict has no hvd_topk state (residuals, momentum): it was not saved "
+                         "by hvd_topk.DistributedOptimizer")
+    self._hvd_topk.check_loadable(ours)          # before anything is loaded
+    _DistributedOptimizer.load_state_dict(self, state_dict)
+    self._hvd_topk.load_state_dict(ours)
+
+
+def _set_epoch(self, epoch):
+    """Tell the epoch-based warm-up which epoch starts now (same value on every rank)."""
+    self._hvd_topk.epoch = int(epoch)
+
+
+def _stats(self):
+    """Figures of the last synchronized step (``hvd_topk.stats.StepStats``) and the residual norm."""
+    return dict(self._hvd_topk.stats.last(), residual_norm=self._hvd_topk.residuals.norm())
+
+
+_OVERRIDES = {"__init__": _init, "_allreduce_grad_async": _allreduce_grad_async,
+              "synchronize": _synchronize, "zero_grad": _zero_grad, "state_dict": _state_dict,
+              "load_state_dict": _load_state_dict, "set_epoch": _set_epoch, "stats": _stats}
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, process_set=mpi_ops.global_process_set,
+                         momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
+                         communication="artopk", leader="star", value_dtype=None, grad_scaler=None):
+    """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
+
+    Args:
+        optimizer: a torch optimizer (SGD, Adam, AdamW, ...).
+        named_parameters: ``model.named_parameters()``, as for Horovod (names key the per-rank state).
+        compression: ``TopKEF`` or ``TopKEF(ratio=..., min_numel=...)``: where ratio and min_numel come from.
+        backward_passes_per_step, op, gradient_predivide_factor, process_set: as in Horovod;
+            op is ``hvd.Average`` or ``hvd.Sum``; only the global process set is supported.
+        momentum_correction: DGC momentum correction + factor masking. None: on when the optimizer has
+            momentum > 0 in some group; True with no momentum raises ValueError.
+        warmup_steps: DGC warm-up over this many steps, density ratio ** ((t+1)/(W+1)) then ratio.
+        warmup_epochs: the same schedule per epoch; call ``opt.set_epoch(epoch)`` at each epoch start.
+        clip_grad_norm: local clipping of each gradient tensor to norm clip_grad_norm * size**-0.5
+            before accumulation (> 0), or None.
+        communication: ``'artopk'`` (shared index set, allreduce of k values), ``'allgather'`` (every
+            rank's own top-k, int32 indices, scatter-add) or ``'dense'`` (plain allreduce).
+        leader: AR-Topk leader, ``'star'`` (round robin) or ``'var'`` (largest EWMA gradient norm).
+        value_dtype: dtype of the values on the wire (e.g. ``torch.float16``); None keeps the gradient's.
+        grad_scaler: the ``torch.amp.GradScaler`` in use, if any: residuals and momentum then hold
+            unscaled gradients, and an overflow on any rank skips the step on every rank.
+
+    Returns:
+        An optimizer of a subclass of ``optimizer``'s class with Horovod's ``synchronize()``,
+        ``skip_synchronize()`` and ``zero_grad(set_to_none=...)``, plus ``stats()`` and ``set_epoch()``.
+
+    Example:
+        >>> opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        ...                                     named_parameters=model.named_parameters(),
+        ...                                     compression=TopKEF(ratio=0.001), warmup_epochs=4)
+    """
+    if communication not in COMMUNICATIONS:
+        raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
+    if leader not in LEADERS:
+        raise ValueError(f"leader must be one of {LEADERS}, got {leader!r}")
+    warmup_steps = _check_count("warmup_steps", warmup_steps)
+    warmup_epochs = _check_count("warmup_epochs", warmup_epochs)
+    backward_passes_per_step = _check_count("backward_passes_per_step", backward_passes_per_step)
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step}")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, numbers.Real)
+                                       or not math.isfinite(clip_grad_norm) or clip_grad_norm <= 0):
+        raise ValueError(f"clip_grad_norm must be a finite number > 0 or None, got {clip_grad_norm!r}")
+    if op not in (Average, Sum):
+        raise ValueError("op must be hvd.Average or hvd.Sum (Adasum is not a sum of sparse vectors)")
+    if not (isinstance(gradient_predivide_factor, numbers.Real) and gradient_predivide_factor > 0):
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}")
+    if process_set is not mpi_ops.global_process_set:
+        raise ValueError("process_set: only the global process set is supported")
+    if value_dtype is not None and not (isinstance(value_dtype, torch.dtype) and value_dtype.is_floating_point):
+        raise ValueError(f"value_dtype must be a floating torch dtype or None, got {value_dtype!r}")
+    if isinstance(compression, type) and issubclass(compression, TopKEF):
+        compression = compression.default()
+    if not isinstance(compression, TopKEF):
+        raise ValueError(f"compression must be TopKEF or a TopKEF instance, got {compression!r}")
+    has_momentum = any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
+    if momentum_correction is None:
+        momentum_correction = has_momentum
+    elif momentum_correction and not has_momentum:
+        raise ValueError("momentum_correction=True needs an optimizer with momentum > 0 "
+                         f"(got {type(optimizer).__name__} without momentum)")
+    named_parameters = list(named_parameters) if named_parameters is not None else \
+        [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
+    state = _TopKState([n for n, _ in named_parameters], compression, communication, leader, value_dtype,
+                       warmup_steps, warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
+    return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,
+               gradient_predivide_factor, process_set, bool(momentum_correction))

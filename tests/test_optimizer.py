@@ -1,0 +1,226 @@
+"""hvd_topk.DistributedOptimizer: bad input in one process; behaviour in real multi-rank jobs."""
+import pytest
+import torch
+import torch.nn as nn
+
+import hvd_topk
+from hvd_topk import TopKEF
+from hvd_topk.sparsify import k_for
+
+
+def make(hvd, **kw):
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    base = kw.pop("base", None) or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"communication": "ring"}, "communication must be one of"),
+    ({"leader": "random"}, "leader must be one of"),
+    ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+    ({"warmup_epochs": 1.5}, "warmup_epochs must be an integer >= 0"),
+    ({"clip_grad_norm": -1.0}, "clip_grad_norm must be a finite number > 0"),
+    ({"clip_grad_norm": float("nan")}, "clip_grad_norm must be a finite number > 0"),
+    ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an integer >= 1"),
+    ({"compression": "topk"}, "compression must be TopKEF"),
+    ({"value_dtype": torch.int32}, "value_dtype must be a floating torch dtype"),
+])
+def test_bad_arguments_raise_value_error_naming_them(hvd, kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(hvd, **kw)
+
+
+def test_adasum_is_refused(hvd):
+    with pytest.raises(ValueError, match="op must be hvd.Average or hvd.Sum"):
+        make(hvd, op=hvd.Adasum)
+
+
+def test_momentum_correction_needs_momentum(hvd):
+    model = nn.Linear(4, 4)
+    for base in (torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)):
+        with pytest.raises(ValueError, match="momentum_correction=True needs an optimizer with momentum"):
+            hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                          momentum_correction=True)
+
+
+def test_momentum_correction_moves_momentum_out_of_the_inner_optimizer(hvd):
+    model = nn.Linear(4, 4)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    group = opt.param_groups[0]
+    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.0, False, 0.0)
+    assert opt._hvd_topk.momentum["weight"] == (0.9, 0.0, True, 1e-4)
+    adam = hvd_topk.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    assert adam._hvd_topk.momentum == {}
+
+
+def test_warmup_schedule_is_dgc_exponential(hvd):
+    _, opt = make(hvd, compression=TopKEF(ratio=0.001), warmup_steps=4)
+    densities = [opt._hvd_topk.density(t) for t in range(6)]
+    torch.testing.assert_close(torch.tensor(densities[:4]),
+                               torch.tensor([0.001 ** (i / 5) for i in range(1, 5)]))
+    assert densities[4:] == [0.001, 0.001]
+    assert densities[0] == pytest.approx(0.251, abs=1e-3)     # DGC: 25% -> 6.25% -> ... -> 0.1%
+
+
+def test_zero_grad_accepts_set_to_none(hvd):
+    model, opt = make(hvd)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert all(q.grad is not None and not q.grad.any() for q in model.parameters())
+    opt.zero_grad(set_to_none=True)
+    assert all(q.grad is None for q in model.parameters())
+
+
+def test_error_feedback_invariant_single_process_plain_ef(hvd):
+    torch.manual_seed(0)
+    model = nn.Linear(100, 50, bias=False).double()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                        named_parameters=model.named_parameters(),
+                                        compression=TopKEF(ratio=0.02, min_numel=0))
+    total_grad = torch.zeros(5000, dtype=torch.float64)
+    total_sent = torch.zeros(5000, dtype=torch.float64)
+    for _ in range(20):
+        opt.zero_grad()
+        model(torch.randn(4, 100, dtype=torch.float64)).pow(2).sum().backward()
+        total_grad += model.weight.grad.reshape(-1)
+        opt.synchronize()
+        total_sent += model.weight.grad.reshape(-1)        # world size 1: aggregated == sent
+        assert int((model.weight.grad != 0).sum()) == k_for(5000, 0.02)
+        with opt.skip_synchronize():
+            opt.step()
+    residual = opt._hvd_topk.residuals.residuals["weight"]
+    torch.testing.assert_close(total_sent + residual, total_grad, rtol=0, atol=1e-10)
+
+
+def test_state_dict_refuses_other_world_size_and_model(hvd):
+    model, opt = make(hvd)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    assert "hvd_topk" in state and state["hvd_topk"]["world_size"] == 1
+    wrong = dict(state, hvd_topk=dict(state["hvd_topk"], world_size=4))
+    with pytest.raises(ValueError, match="residuals of 4 ranks"):
+        opt.load_state_dict(wrong)
+    bigger = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1), nn.Linear(1, 1))
+    opt2 = hvd_topk.DistributedOptimizer(torch.optim.SGD(bigger.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=bigger.named_parameters())
+    with pytest.raises(ValueError, match="model with other parameters"):
+        opt2.load_state_dict(state)
+    with pytest.raises(ValueError, match="no hvd_topk state"):
+        opt.load_state_dict({k: v for k, v in state.items() if k != "hvd_topk"})
+
+
+def test_checkpoint_files_are_per_rank_and_checked(hvd, tmp_path):
+    model, opt = make(hvd)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    path = hvd_topk.save_checkpoint(str(tmp_path / "c.pt"), model, opt, epoch=3)
+    assert path.endswith("c.pt.rank0-of-1")
+    assert hvd_topk.load_checkpoint(str(tmp_path / "c.pt"), model, opt) == {"epoch": 3}
+    with pytest.raises(FileNotFoundError, match="no checkpoint for rank 0 of 1"):
+        hvd_topk.load_checkpoint(str(tmp_path / "missing.pt"), model, opt)
+
+
+# -- real multi-rank jobs --------------------------------------------------------------------------
+
+def assert_identical_across_ranks(results):
+    for r, res in enumerate(results[1:], start=1):
+        for name, value in results[0]["params"].items():
+            assert torch.equal(value, res["params"][name]), f"rank {r} differs from rank 0 in {name}"
+
+
+@pytest.mark.parametrize("communication", ["artopk", "allgather", "dense"])
+def test_ratio_one_reproduces_dense_horovod(run_ranks, communication):
+    # No weight decay here: stock hvd.broadcast_optimizer_state takes a real SGD step on zero gradients,
+    # which with weight decay moves the parameters; the float64 reference test covers weight decay.
+    common = ["--steps", 12, "--nesterov", "--dtype", "float64"]
+    dense = run_ranks(2, "opt_train.py", "--mode", "stock", *common)
+    ours = run_ranks(2, "opt_train.py", "--communication", communication, "--ratio", 1.0, *common)
+    for name, value in dense[0]["params"].items():
+        torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(dense[0]["params"]["0.weight"], dense[0]["initial"]["0.weight"])
+
+
+@pytest.mark.parametrize("communication,leader,np", [("artopk", "star", 2), ("artopk", "var", 3),
+                                                      ("allgather", "star", 2), ("dense", "star", 2)])
+def test_params_bit_identical_after_200_steps(run_ranks, communication, leader, np):
+    results = run_ranks(np, "opt_train.py", "--steps", 200, "--communication", communication,
+                        "--leader", leader, "--ratio", 0.01, "--width", 128)
+    assert_identical_across_ranks(results)
+    last = results[0]["stats"][-1]
+    if communication != "dense":
+        assert last["sparse_tensors"] == 3 and 0 < last["compression_gain"] < 1
+        assert last["residual_norm"] > 0
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_correction_matches_float64_reference(run_ranks, nesterov):
+    ratio, lr, m, wd, min_numel = 0.05, 0.01, 0.9, 1e-3, 64
+    results = run_ranks(2, "opt_train.py", "--communication", "allgather", "--ratio", ratio, "--steps", 25,
+                        "--dtype", "float64", "--record-grads", "--min-numel", min_numel, "--lr", lr,
+                        "--weight-decay", wd, *(["--nesterov"] if nesterov else []))
+    assert_identical_across_ranks(results)
+    params = {n: v.clone() for n, v in results[0]["initial"].items()}
+    u = [{} for _ in results]
+    v = [{} for _ in results]
+    for t in range(25):
+        update = {n: torch.zeros_like(p) for n, p in params.items()}
+        for r, res in enumerate(results):
+            for n, g in res["grads"][t].items():
+                g = g.reshape(-1) + wd * params[n].reshape(-1)              # weight decay first
+                u[r][n] = m * u[r][n] + g if n in u[r] else g.clone()
+                step = g + m * u[r][n] if nesterov else u[r][n]
+                if g.numel() < min_numel or params[n].dim() <= 1:
+                    update[n] += step.reshape(params[n].shape)          # dense: plain local momentum
+                    continue
+                v[r][n] = v[r].get(n, torch.zeros_like(g)) + step
+                idx = torch.topk(v[r][n].abs(), k_for(g.numel(), ratio)).indices
+                sent = torch.zeros_like(g)
+                sent[idx] = v[r][n][idx]
+                v[r][n][idx] = 0                                        # error feedback
+                u[r][n][idx] = 0                                        # factor masking
+                update[n] += sent.reshape(params[n].shape)
+        for n in params:
+            params[n] = params[n] - lr * update[n] / len(results)
+    for n, p in params.items():
+        torch.testing.assert_close(results[0]["params"][n], p, rtol=1e-9, atol=1e-12)
+    for r, res in enumerate(results):                                  # per-rank state matches too
+        for n in v[r]:
+            torch.testing.assert_close(res["state"]["residuals"][n], v[r][n], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("communication,leader", [("artopk", "star"), ("artopk", "var"), ("allgather", "star")])
+def test_checkpoint_resume_is_bit_identical(run_ranks, tmp_path, communication, leader):
+    common = ["--steps", 50, "--communication", communication, "--leader", leader, "--ratio", 0.05,
+              "--warmup-steps", 10]
+    full = run_ranks(2, "opt_train.py", *common)
+    first = tmp_path / "first"
+    run_ranks(2, "opt_train.py", *common, "--save-at", 24, out=first)
+    resumed = run_ranks(2, "opt_train.py", *common, "--resume", str(first / "ckpt.pt"))
+    for r in range(2):
+        for name, value in full[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][name], value), f"rank {r} {name} differs after resume"
+
+
+def test_amp_overflow_on_one_rank_skips_step_everywhere(run_ranks):
+    results = run_ranks(2, "opt_train.py", "--amp", "--steps", 12, "--overflow-rank", 1, "--overflow-step", 6,
+                        "--ratio", 0.05)
+    assert_identical_across_ranks(results)
+    scales = set()
+    for res in results:
+        (skip,) = res["skipped"]
+        assert skip["had_residuals"] and skip["residuals_unchanged"] and skip["params_unchanged"]
+        scales.add(skip["scale"])
+        assert res["stats"][6]["skipped"] and not res["stats"][7]["skipped"]
+    assert scales == {2.0 ** 7}                      # backed off once, identically on both ranks
+
+
+def test_checkpoint_from_other_world_size_is_refused(run_ranks, tmp_path):
+    first = tmp_path / "two"
+    run_ranks(2, "opt_train.py", "--steps", 10, "--save-at", 4, out=first)
+    from hvd_topk.launch import JobFailed
+    with pytest.raises(JobFailed, match=r"no checkpoint for rank \d of 3"):
+        run_ranks(3, "opt_train.py", "--steps", 10, "--resume", str(first / "ckpt.pt"))

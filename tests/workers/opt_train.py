@@ -1,0 +1,121 @@
+"""A multi-rank job for hvd_topk.DistributedOptimizer tests (synthetic regression on an MLP).
+
+Every rank writes ``<out>/rank<r>.pt``: final parameters, its local gradients per step (if asked), the
+optimizer's per-rank state and stats. Data depend only on (rank, step), so runs can be resumed.
+"""
+import argparse
+import os
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hvd_topk
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--mode", choices=["hvd_topk", "stock"], default="hvd_topk")
+p.add_argument("--communication", default="artopk")
+p.add_argument("--leader", default="star")
+p.add_argument("--ratio", type=float, default=0.01)
+p.add_argument("--min-numel", type=int, default=64)
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--width", type=int, default=64)
+p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+p.add_argument("--lr", type=float, default=0.01)
+p.add_argument("--momentum", type=float, default=0.9)
+p.add_argument("--nesterov", action="store_true")
+p.add_argument("--weight-decay", type=float, default=0.0)
+p.add_argument("--mc", choices=["auto", "on", "off"], default="auto")
+p.add_argument("--warmup-steps", type=int, default=0)
+p.add_argument("--clip", type=float, default=None)
+p.add_argument("--op", choices=["average", "sum"], default="average")
+p.add_argument("--bpps", type=int, default=1)
+p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+p.add_argument("--value-dtype", choices=["none", "float16"], default="none")
+p.add_argument("--record-grads", action="store_true")
+p.add_argument("--save-at", type=int, default=-1, help="save a per-rank checkpoint after this step and exit")
+p.add_argument("--resume", default=None, help="checkpoint path to resume from")
+p.add_argument("--amp", action="store_true", help="bf16 autocast + GradScaler")
+p.add_argument("--overflow-rank", type=int, default=-1)
+p.add_argument("--overflow-step", type=int, default=-1)
+args = p.parse_args()
+
+hvd.init()
+torch.set_num_threads(1)
+dtype = getattr(torch, args.dtype)
+torch.manual_seed(1234 + hvd.rank())           # different init per rank: broadcast must fix it
+model = nn.Sequential(nn.Linear(32, args.width), nn.Tanh(), nn.Linear(args.width, args.width), nn.Tanh(),
+                      nn.Linear(args.width, 1)).to(dtype)
+if args.optimizer == "sgd":
+    base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
+                           weight_decay=args.weight_decay)
+else:
+    base = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+op = hvd.Average if args.op == "average" else hvd.Sum
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if args.amp else None
+if args.mode == "stock":
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), op=op,
+                                   backward_passes_per_step=args.bpps)
+else:
+    opt = hvd_topk.DistributedOptimizer(
+        base, named_parameters=model.named_parameters(),
+        compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=args.min_numel), op=op,
+        backward_passes_per_step=args.bpps, communication=args.communication, leader=args.leader,
+        momentum_correction={"auto": None, "on": True, "off": False}[args.mc],
+        warmup_steps=args.warmup_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
+        value_dtype=None if args.value_dtype == "none" else torch.float16)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+initial = {n: q.detach().clone() for n, q in model.named_parameters()}
+
+start = 0
+if args.resume:
+    start = hvd_topk.load_checkpoint(args.resume, model, opt)["next_step"]
+
+w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7), dtype=dtype)
+grads, stats, skipped = [], [], []
+for step in range(start, args.steps):
+    opt.zero_grad(set_to_none=True) if args.mode == "hvd_topk" else opt.zero_grad()  # stock rejects the keyword
+    gen = torch.Generator().manual_seed(100_000 * hvd.rank() + step)
+    local = None
+    for _ in range(args.bpps):
+        x = torch.randn(16, 32, generator=gen, dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
+            loss = ((model(x).to(dtype) - x @ w_true) ** 2).mean()
+        if step == args.overflow_step and hvd.rank() == args.overflow_rank:
+            loss = loss * float("inf")
+        if args.record_grads:
+            g = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            local = g if local is None else [a + b for a, b in zip(local, g)]
+        (scaler.scale(loss) if scaler else loss).backward()
+    if args.record_grads:
+        grads.append({n: t.detach().clone() for (n, _), t in zip(model.named_parameters(), local)})
+    before = {n: q.detach().clone() for n, q in model.named_parameters()}
+    if scaler is not None:
+        residuals_before = {k: None if v is None else v.clone()
+                            for k, v in opt._hvd_topk.residuals.residuals.items()}
+        opt.synchronize()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        if step == args.overflow_step:
+            unchanged = all(torch.equal(before[n], q) for n, q in model.named_parameters())
+            same_res = residuals_before.keys() == opt._hvd_topk.residuals.residuals.keys() and all(
+                (v is None and residuals_before[k] is None) or torch.equal(v, residuals_before[k])
+                for k, v in opt._hvd_topk.residuals.residuals.items())
+            skipped.append({"params_unchanged": unchanged, "residuals_unchanged": same_res,
+                            "had_residuals": len(residuals_before) > 0, "scale": scaler.get_scale()})
+    else:
+        opt.step()
+    if args.mode == "hvd_topk":
+        stats.append(opt.stats())
+    if step == args.save_at:
+        hvd_topk.save_checkpoint(os.path.join(args.out, "ckpt.pt"), model, opt, next_step=step + 1)
+        break
+
+result = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}, "initial": initial,
+          "grads": grads, "stats": stats, "skipped": skipped}
+if args.mode == "hvd_topk":
+    result["state"] = opt.state_dict()["hvd_topk"]
+torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))
