@@ -22,11 +22,13 @@ from .memory import ResidualMemory
 from .sparsify import k_for, scatter_dense, sq_norm_finite, topk_indices
 from .stats import StepStats
 
-__all__ = ["DistributedOptimizer", "COMMUNICATIONS", "LEADERS"]
+__all__ = ["DistributedOptimizer", "COMMUNICATIONS", "LEADERS", "SELECTIONS"]
 
 COMMUNICATIONS = ("artopk", "allgather", "dense")
 LEADERS = ("star", "var")
+SELECTIONS = ("layerwise", "global")
 STATE_KEY = "hvd_topk"
+GLOBAL_KEY = "__global__"        # residual and index-set key of the fused bucket (global selection)
 
 
 def _check_count(name, value):
@@ -47,7 +49,7 @@ class _Momentum(NamedTuple):
 class _TopKState:
     """Everything hvd_topk keeps per optimizer, per rank. Never broadcast (residuals are per rank)."""
 
-    def __init__(self, names, compression, communication, leader, value_dtype, warmup_steps,
+    def __init__(self, names, compression, communication, selection, leader, value_dtype, warmup_steps,
                  warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler):
         # configuration
         self.ratio = compression.ratio
@@ -58,7 +60,9 @@ class _TopKState:
         self.op = op
         self.prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
         self.postscale = gradient_predivide_factor if op == Average else 1.0
-        self.key_index = {name: i for i, name in enumerate(sorted(names))}   # same on all ranks
+        self.selection = selection
+        self.names = sorted(names)
+        self.key_index = {name: i for i, name in enumerate(self.names + [GLOBAL_KEY])}  # same on all ranks
         self.momentum = {}                    # name -> _Momentum, for momentum-corrected parameters
         # per-rank state
         self.residuals = ResidualMemory()     # name -> v (DGC) or e (plain error feedback)
@@ -71,6 +75,8 @@ class _TopKState:
         self.score_handle = None
         self.step_sq_norm = 0.0
         self.stats = StepStats()
+        self.bucket = []                      # global selection: (name, p, g, u_new) of this step
+        self.bucket_out = {}                  # global selection: name -> aggregated gradient
 
     # -- schedules ---------------------------------------------------------------------------------
 
@@ -133,8 +139,48 @@ class _TopKState:
         return finish
 
     def _submit_sparse(self, p, name, g, u_new):
+        if self.selection == "global":
+            self.bucket.append((name, p, g, u_new))
+            return lambda: self._bucket_output(name)
+        finish = self._sparse_transport(name, self.residuals.compensate(name, g), g)
+
+        def done():
+            dense, residual, indices = finish()
+            if dense is None:
+                return self._skipped(p)
+            self.residuals.update(name, residual)
+            self._mask_momentum(name, u_new, indices)
+            return self._unscale_out(dense.to(p.dtype)).reshape(p.shape)
+        return done
+
+    def _bucket_output(self, name):
+        """Global selection: on the first call of a step, run one transport over every sparse tensor
+        of the step, concatenated in name order (identical on all ranks); then hand out slices."""
+        if self.bucket:
+            entries = sorted(self.bucket, key=lambda e: e[0])
+            self.bucket = []
+            flat_g = torch.cat([g for _, _, g, _ in entries])
+            dense, residual, indices = self._sparse_transport(
+                GLOBAL_KEY, self.residuals.compensate(GLOBAL_KEY, flat_g), flat_g)()
+            if dense is not None:
+                self.residuals.update(GLOBAL_KEY, residual)
+            offset = 0
+            for n, p, g, u_new in entries:
+                if dense is None:
+                    self.bucket_out[n] = self._skipped(p)
+                else:
+                    part = None if indices is None else \
+                        indices[(indices >= offset) & (indices < offset + g.numel())] - offset
+                    self._mask_momentum(n, u_new, part)
+                    self.bucket_out[n] = self._unscale_out(
+                        dense[offset:offset + g.numel()].to(p.dtype)).reshape(p.shape)
+                offset += g.numel()
+        return self.bucket_out.pop(name)
+
+    def _sparse_transport(self, key, acc, g):
+        """Start sending the flat accumulator ``acc`` of ``key``; returns ``finish() -> (aggregated
+        dense or None if some rank was non-finite, new residual, sent indices or None for all)``."""
         t0 = time.perf_counter()
-        acc = self.residuals.compensate(name, g)
         acc_sq, finite = sq_norm_finite(acc)
         flag = torch.tensor([0.0 if finite else 1.0], dtype=acc.dtype, device=acc.device)
         self.step_sq_norm += acc_sq if math.isfinite(acc_sq) else 0.0
@@ -145,55 +191,49 @@ class _TopKState:
             if k == n:
                 indices, values = None, acc
             else:
-                indices = self.index_sets.current(name, acc, k, self.leader_for(name, self.step))
+                indices = self.index_sets.current(key, acc, k, self.leader_for(key, self.step))
                 values = acc.index_select(0, indices)
                 if k_next < n:
-                    self.index_sets.launch_next(name, acc, g, indices, k_next,
-                                                self.leader_for(name, self.step + 1))
-            sent_sq = sq_norm_finite(values)[0]
+                    self.index_sets.launch_next(key, acc, g, indices, k_next,
+                                                self.leader_for(key, self.step + 1))
             buf = torch.cat([values.to(vdtype), flag.to(vdtype)])
-            self.stats.add_sent(buf.numel() * buf.element_size(), sent_sq, acc_sq,
+            self.stats.add_sent(buf.numel() * buf.element_size(), sq_norm_finite(values)[0], acc_sq,
                                 select_s=time.perf_counter() - t0)
-            handle = mpi_ops.allreduce_async_(buf, name=f"hvd_topk.values.{name}", op=self.op,
+            handle = mpi_ops.allreduce_async_(buf, name=f"hvd_topk.values.{key}", op=self.op,
                                               prescale_factor=self.prescale, postscale_factor=self.postscale)
             residual = None if indices is None else acc.index_fill_(0, indices, 0)
 
             def finish():
                 out = mpi_ops.synchronize(handle)
                 if not bool(torch.isfinite(out[-1])) or bool(out[-1] != 0):
-                    return self._skipped(p)
-                self._commit(name, residual, u_new, indices)
-                vals = out[:-1].to(p.dtype)
-                dense = vals if indices is None else scatter_dense(vals, indices, n)
-                return self._unscale_out(dense).reshape(p.shape)
+                    return None, None, None
+                vals = out[:-1].to(acc.dtype)
+                return (vals if indices is None else scatter_dense(vals, indices, n)), residual, indices
             return finish
 
         indices = torch.arange(n, device=acc.device) if k == n else topk_indices(acc, k)
         values = acc.index_select(0, indices)
-        sent_sq = sq_norm_finite(values)[0]
         vbuf = torch.cat([values.to(vdtype), flag.to(vdtype)])
-        self.stats.add_sent(vbuf.numel() * vbuf.element_size() + 4 * k, sent_sq, acc_sq,
+        self.stats.add_sent(vbuf.numel() * vbuf.element_size() + 4 * k, sq_norm_finite(values)[0], acc_sq,
                             select_s=time.perf_counter() - t0)
         handles = allgather_sparse_async(vbuf, torch.cat([indices, indices.new_full((1,), n)]),
-                                         f"hvd_topk.allgather.{name}")
+                                         f"hvd_topk.allgather.{key}")
         residual = None if k == n else acc.index_fill_(0, indices, 0)
 
         def finish():
-            # Every rank's flag sits at index n (one past the end) in its set; a dense vector of
-            # n + 1 elements catches all flags in its last entry.
-            dense = scatter_add_gathered(handles, n + 1, p.dtype)
+            # Every rank's flag sits at index n (one past the end) of its set: the last entry of a
+            # dense vector of n + 1 elements sums all flags.
+            dense = scatter_add_gathered(handles, n + 1, acc.dtype)
             if not bool(torch.isfinite(dense[-1])) or bool(dense[-1] != 0):
-                return self._skipped(p)
-            self._commit(name, residual, u_new, None if k == n else indices)
-            dense = dense[:-1].to(p.dtype)
+                return None, None, None
+            dense = dense[:-1]
             if self.op == Average:
                 dense.mul_(1.0 / mpi_ops.size())
-            return self._unscale_out(dense).reshape(p.shape)
+            return dense, residual, None if k == n else indices
         return finish
 
-    def _commit(self, name, residual, u_new, indices):
-        """Finite step: keep the new residual; DGC factor masking zeroes momentum where sent."""
-        self.residuals.update(name, residual)
+    def _mask_momentum(self, name, u_new, indices):
+        """Finite step: keep the new momentum; DGC factor masking zeroes it where values were sent."""
         if u_new is not None:
             if indices is not None:
                 u_new.index_fill_(0, indices, 0)
@@ -225,7 +265,7 @@ class _TopKState:
             self.scores = mpi_ops.synchronize(self.score_handle).reshape(-1)
             self.score_handle = None
         return {"world_size": mpi_ops.size(), "rank": mpi_ops.rank(),
-                "names": sorted(self.key_index), "step": self.step, "epoch": self.epoch,
+                "names": self.names, "selection": self.selection, "step": self.step, "epoch": self.epoch,
                 "residuals": self.residuals.state_dict(),
                 "velocities": {k: v.clone() for k, v in self.velocities.items()},
                 "index_sets": self.index_sets.state_dict(), "score": self.score,
@@ -237,9 +277,10 @@ class _TopKState:
             raise ValueError(f"checkpoint holds the residuals of {state['world_size']} ranks, this job "
                              f"has {mpi_ops.size()}; residuals are per rank and cannot be re-split "
                              "(start the optimizer fresh, or resume with the same number of ranks)")
-        if state["names"] != sorted(self.key_index):
+        if state["names"] != self.names or state["selection"] != self.selection:
             raise ValueError("checkpoint was written for a model with other parameters "
-                             f"({len(state['names'])} vs {len(self.key_index)} named tensors)")
+                             f"({len(state['names'])} vs {len(self.names)} named tensors) or another "
+                             f"selection ({state['selection']!r} vs {self.selection!r})")
 
     def load_state_dict(self, state):
         self.check_loadable(state)
@@ -327,7 +368,8 @@ _OVERRIDES = {"__init__": _init, "_allreduce_grad_async": _allreduce_grad_async,
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, process_set=mpi_ops.global_process_set,
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
-                         communication="artopk", leader="star", value_dtype=None, grad_scaler=None):
+                         communication="artopk", leader="star", value_dtype=None, grad_scaler=None,
+                         selection="layerwise"):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
 
     Args:
@@ -345,6 +387,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         communication: ``'artopk'`` (shared index set, allreduce of k values), ``'allgather'`` (every
             rank's own top-k, int32 indices, scatter-add) or ``'dense'`` (plain allreduce).
         leader: AR-Topk leader, ``'star'`` (round robin) or ``'var'`` (largest EWMA gradient norm).
+        selection: ``'layerwise'`` (top-k of each tensor, sent as soon as its gradient is ready) or
+            ``'global'`` (one top-k over all compressed tensors fused into one bucket, sent at
+            ``synchronize()``).
         value_dtype: dtype of the values on the wire (e.g. ``torch.float16``); None keeps the gradient's.
         grad_scaler: the ``torch.amp.GradScaler`` in use, if any: residuals and momentum then hold
             unscaled gradients, and an overflow on any rank skips the step on every rank.
@@ -360,6 +405,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     """
     if communication not in COMMUNICATIONS:
         raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
     if leader not in LEADERS:
         raise ValueError(f"leader must be one of {LEADERS}, got {leader!r}")
     warmup_steps = _check_count("warmup_steps", warmup_steps)
@@ -390,7 +437,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                          f"(got {type(optimizer).__name__} without momentum)")
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
-    state = _TopKState([n for n, _ in named_parameters], compression, communication, leader, value_dtype,
+    state = _TopKState([n for n, _ in named_parameters], compression, communication, selection, leader, value_dtype,
                        warmup_steps, warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))

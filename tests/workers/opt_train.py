@@ -17,12 +17,13 @@ p.add_argument("--out", required=True)
 p.add_argument("--mode", choices=["hvd_topk", "stock"], default="hvd_topk")
 p.add_argument("--communication", default="artopk")
 p.add_argument("--leader", default="star")
+p.add_argument("--selection", default="layerwise")
 p.add_argument("--ratio", type=float, default=0.01)
 p.add_argument("--min-numel", type=int, default=64)
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--width", type=int, default=64)
 p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-p.add_argument("--lr", type=float, default=0.01)
+p.add_argument("--lr", type=float, default=0.001)
 p.add_argument("--momentum", type=float, default=0.9)
 p.add_argument("--nesterov", action="store_true")
 p.add_argument("--weight-decay", type=float, default=0.0)
@@ -62,6 +63,7 @@ else:
         base, named_parameters=model.named_parameters(),
         compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=args.min_numel), op=op,
         backward_passes_per_step=args.bpps, communication=args.communication, leader=args.leader,
+        selection=args.selection,
         momentum_correction={"auto": None, "on": True, "off": False}[args.mc],
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
         value_dtype=None if args.value_dtype == "none" else torch.float16)

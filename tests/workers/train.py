@@ -43,7 +43,7 @@ for _ in range(args.depth):
     layers += [nn.Linear(width_in, args.width), nn.Tanh()]
     width_in = args.width
 model = nn.Sequential(*layers, nn.Linear(width_in, 1)).to(dtype)
-opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=args.momentum)
+opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=args.momentum)
 compression = (TopKEF(ratio=args.ratio, min_numel=args.min_numel, sync_indices=args.sync_indices)
                if args.compression == "topkef" else hvd.Compression.none)
 opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
