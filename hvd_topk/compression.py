@@ -63,8 +63,9 @@ class TopKEF(Compressor):
     through unchanged (dense).
 
     Non-finite gradients: if any rank's ``acc`` holds NaN/Inf, every rank learns it from a flag that
-    rides in the same allreduce; then every rank's decompressed gradient is all NaN (so a loss scaler
-    or ``isfinite`` check skips the step everywhere) and every rank keeps its residual untouched.
+    rides in the same allreduce (dense pass-through tensors show it in their sum); then every
+    gradient of that step is all NaN on every rank (so a loss scaler or ``isfinite`` check skips the
+    step everywhere) and every rank keeps all its residuals untouched.
 
     Args:
         ratio: fraction of elements kept per tensor, in (0, 1]. 1.0 sends everything (dense result).
@@ -91,6 +92,9 @@ class TopKEF(Compressor):
         self.memory = ResidualMemory()        # slot -> residual
         self.slots = SlotSequence()           # compress call -> slot, with sequence checks
         self.steps = {}                       # slot -> steps compressed so far (same on all ranks)
+        self._commits = []                    # (slot, residual) of this step, committed at its end
+        self._outputs = []                    # this step's decompressed gradients
+        self._nonfinite = False               # some gradient of this step was non-finite somewhere
         self.index_sets = IndexPipeline(f"hvd_topk.TopKEF{TopKEF._instances}.indices", sync=sync_indices)
         TopKEF._instances += 1
 
@@ -125,19 +129,39 @@ class TopKEF(Compressor):
 
     @_ClassOrInstance
     def decompress(self, tensor, ctx):
-        """Horovod contract: the dense aggregated gradient; commits the residual if finite."""
-        if ctx.dense:
-            if ctx.slot >= 0:
-                self.slots.finish_one()
+        """Horovod contract: the dense aggregated gradient. The step's residuals are committed when
+        its last gradient is decompressed, and only if every gradient was finite on every rank."""
+        if ctx.dense and ctx.slot < 0:                     # non-floating: not part of the step
             return tensor
         self.slots.finish_one()
-        values, flag = tensor[:-1], tensor[-1]
-        if not bool(torch.isfinite(flag)) or bool(flag != 0):
-            return torch.full(ctx.shape, float("nan"), dtype=tensor.dtype, device=tensor.device)
-        self.memory.update(ctx.slot, ctx.residual)
-        if ctx.indices is None:
-            return values.reshape(ctx.shape)
-        return scatter_dense(values, ctx.indices, math.prod(ctx.shape)).reshape(ctx.shape)
+        if ctx.dense:
+            out = tensor
+            finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
+        else:
+            values, flag = tensor[:-1], tensor[-1]
+            finite = bool(torch.isfinite(flag)) and not bool(flag != 0)
+            if ctx.indices is None:
+                out = values.reshape(ctx.shape)
+            else:
+                out = scatter_dense(values, ctx.indices, math.prod(ctx.shape)).reshape(ctx.shape)
+            self._commits.append((ctx.slot, ctx.residual))
+        if not finite and not self._nonfinite:
+            self._nonfinite = True
+            for earlier in self._outputs:      # Horovod set_() them into p.grad: NaN them there
+                earlier.fill_(float("nan"))
+        if self._nonfinite:
+            out = torch.full(ctx.shape, float("nan"), dtype=tensor.dtype, device=tensor.device)
+        self._outputs.append(out)
+        if self.slots.pending == 0:            # Horovod compresses all before it decompresses any
+            self._end_step()
+        return out
+
+    def _end_step(self):
+        """Commit the step's residuals if it was finite everywhere; otherwise keep the old ones."""
+        if not self._nonfinite:
+            for slot, residual in self._commits:
+                self.memory.update(slot, residual)
+        self._commits, self._outputs, self._nonfinite = [], [], False
 
     def _leader(self, slot, step):
         return star_leader(slot, step, mpi_ops.size())

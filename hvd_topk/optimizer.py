@@ -8,6 +8,7 @@ returns the aggregated dense gradient. Horovod itself is not edited or patched.
 import math
 import numbers
 import time
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -77,6 +78,8 @@ class _TopKState:
         self.stats = StepStats()
         self.bucket = []                      # global selection: (name, p, g, u_new) of this step
         self.bucket_out = {}                  # global selection: name -> aggregated gradient
+        self.commits = []                     # state updates of this step, applied if it is finite
+        self.nonfinite = False                # some gradient of this step was non-finite somewhere
 
     # -- schedules ---------------------------------------------------------------------------------
 
@@ -125,16 +128,17 @@ class _TopKState:
 
     def _submit_dense(self, p, name, g, u_new):
         """Plain allreduce (momentum, if corrected, is applied locally first: it is linear)."""
-        self.stats.add_sent(g.numel() * g.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
-        handle = mpi_ops.allreduce_async_(g, name=f"hvd_topk.dense.{name}", op=self.op,
+        buf = g.clone() if g is u_new else g           # the allreduce works in place; u_new stays local
+        self.stats.add_sent(buf.numel() * buf.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
+        handle = mpi_ops.allreduce_async_(buf, name=f"hvd_topk.dense.{name}", op=self.op,
                                           prescale_factor=self.prescale, postscale_factor=self.postscale)
 
         def finish():
             out = mpi_ops.synchronize(handle)
+            if not sq_norm_finite(out)[1]:             # identical on all ranks: it is the sum
+                return self._skipped(p)
             if u_new is not None:
-                if not bool(torch.isfinite(out.sum(dtype=torch.float64))):
-                    return self._skipped(p)
-                self.velocities[name] = u_new
+                self.commits.append(lambda: self.velocities.__setitem__(name, u_new))
             return self._unscale_out(out).reshape(p.shape)
         return finish
 
@@ -148,8 +152,7 @@ class _TopKState:
             dense, residual, indices = finish()
             if dense is None:
                 return self._skipped(p)
-            self.residuals.update(name, residual)
-            self._mask_momentum(name, u_new, indices)
+            self.commits.append(lambda: self._commit(name, residual, u_new, indices))
             return self._unscale_out(dense.to(p.dtype)).reshape(p.shape)
         return done
 
@@ -163,7 +166,7 @@ class _TopKState:
             dense, residual, indices = self._sparse_transport(
                 GLOBAL_KEY, self.residuals.compensate(GLOBAL_KEY, flat_g), flat_g)()
             if dense is not None:
-                self.residuals.update(GLOBAL_KEY, residual)
+                self.commits.append(lambda: self._commit(GLOBAL_KEY, residual, None, None))
             offset = 0
             for n, p, g, u_new in entries:
                 if dense is None:
@@ -171,7 +174,8 @@ class _TopKState:
                 else:
                     part = None if indices is None else \
                         indices[(indices >= offset) & (indices < offset + g.numel())] - offset
-                    self._mask_momentum(n, u_new, part)
+                    self.commits.append(lambda n=n, u_new=u_new, part=part: self._commit(n, None, u_new, part,
+                                                                                        residual_too=False))
                     self.bucket_out[n] = self._unscale_out(
                         dense[offset:offset + g.numel()].to(p.dtype)).reshape(p.shape)
                 offset += g.numel()
@@ -232,16 +236,18 @@ class _TopKState:
             return dense, residual, None if k == n else indices
         return finish
 
-    def _mask_momentum(self, name, u_new, indices):
-        """Finite step: keep the new momentum; DGC factor masking zeroes it where values were sent."""
+    def _commit(self, name, residual, u_new, indices, residual_too=True):
+        """Keep the new residual and momentum; DGC factor masking zeroes momentum where values were sent."""
+        if residual_too:
+            self.residuals.update(name, residual)
         if u_new is not None:
             if indices is not None:
                 u_new.index_fill_(0, indices, 0)
             self.velocities[name] = u_new
 
     def _skipped(self, p):
-        """Some rank's gradient was non-finite: all-NaN gradient everywhere, state untouched."""
-        self.stats.skipped = True
+        """Some rank's gradient was non-finite: the whole step is non-finite (see ``end_step``)."""
+        self.nonfinite = True
         return torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
 
     def _unscale_out(self, dense):
@@ -249,7 +255,16 @@ class _TopKState:
         return dense if self.grad_scaler is None else dense * self.grad_scaler.get_scale()
 
     def end_step(self, comm_s):
-        """After every parameter is synchronized: advance the step, share the VAR score."""
+        """After every parameter is synchronized: commit the step's residuals and momentum only if
+        every gradient on every rank was finite (the decision is identical on all ranks, since it is
+        read from aggregated values); advance the step; share the VAR score. Returns True if the
+        step was non-finite."""
+        nonfinite = self.nonfinite
+        if not nonfinite:
+            for commit in self.commits:
+                commit()
+        self.commits, self.nonfinite = [], False
+        self.stats.skipped = nonfinite
         self.stats.end_step(density=self.density(self.step), comm_s=comm_s)
         self.step += 1
         if self.leader == "var" and mpi_ops.size() > 1:
@@ -257,6 +272,7 @@ class _TopKState:
             self.score_handle = mpi_ops.allgather_async(torch.tensor([self.score], dtype=torch.float64),
                                                         name="hvd_topk.var.score")
         self.step_sq_norm = 0.0
+        return nonfinite
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -322,7 +338,26 @@ def _allreduce_grad_async(self, p):
 def _synchronize(self):
     t0 = time.perf_counter()
     _DistributedOptimizer.synchronize(self)
-    self._hvd_topk.end_step(comm_s=time.perf_counter() - t0)
+    if self._hvd_topk.end_step(comm_s=time.perf_counter() - t0):
+        # Non-finite somewhere: every gradient of the step is NaN on every rank, so a loss scaler
+        # (or the check in step()) skips the whole step, which the untouched residuals assume.
+        for q in self._requires_update:
+            if q.grad is not None:
+                q.grad.fill_(float("nan"))
+
+
+def _step(self, closure=None):
+    if self._should_synchronize:
+        if self._synchronized:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(); this synchronizes twice")
+        self.synchronize()
+    self._synchronized = False
+    if self._hvd_topk.stats.last().get("skipped"):
+        warnings.warn("hvd_topk: a gradient was non-finite on some rank; the step is skipped on every "
+                      "rank and residuals are unchanged")
+        return None
+    return super(self.__class__, self).step(closure)
 
 
 def _zero_grad(self, set_to_none=True):
@@ -361,7 +396,7 @@ def _stats(self):
 
 
 _OVERRIDES = {"__init__": _init, "_allreduce_grad_async": _allreduce_grad_async,
-              "synchronize": _synchronize, "zero_grad": _zero_grad, "state_dict": _state_dict,
+              "synchronize": _synchronize, "step": _step, "zero_grad": _zero_grad, "state_dict": _state_dict,
               "load_state_dict": _load_state_dict, "set_epoch": _set_epoch, "stats": _stats}
 
 

@@ -215,17 +215,32 @@ def test_checkpoint_resume_is_bit_identical(run_ranks, tmp_path, communication, 
             assert torch.equal(resumed[r]["params"][name], value), f"rank {r} {name} differs after resume"
 
 
-def test_amp_overflow_on_one_rank_skips_step_everywhere(run_ranks):
+@pytest.mark.parametrize("one_tensor", [False, True])
+def test_amp_overflow_on_one_rank_skips_step_everywhere(run_ranks, one_tensor):
     results = run_ranks(2, "opt_train.py", "--amp", "--steps", 12, "--overflow-rank", 1, "--overflow-step", 6,
-                        "--ratio", 0.05)
+                        "--ratio", 0.05, *(["--overflow-one-tensor"] if one_tensor else []))
     assert_identical_across_ranks(results)
     scales = set()
     for res in results:
         (skip,) = res["skipped"]
-        assert skip["had_residuals"] and skip["residuals_unchanged"] and skip["params_unchanged"]
+        assert skip["had_residuals"] and skip["state_unchanged"] and skip["params_unchanged"]
         scales.add(skip["scale"])
         assert res["stats"][6]["skipped"] and not res["stats"][7]["skipped"]
     assert scales == {2.0 ** 7}                      # backed off once, identically on both ranks
+
+
+@pytest.mark.parametrize("communication,selection", [("artopk", "layerwise"), ("allgather", "layerwise"),
+                                                     ("dense", "layerwise"), ("artopk", "global")])
+def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(run_ranks, communication, selection):
+    """Without a loss scaler: one tensor NaN on rank 1 -> step() skips on both ranks, state unchanged."""
+    results = run_ranks(2, "opt_train.py", "--steps", 10, "--overflow-rank", 1, "--overflow-step", 5,
+                        "--overflow-one-tensor", "--ratio", 0.05, "--communication", communication,
+                        "--selection", selection)
+    assert_identical_across_ranks(results)
+    for res in results:
+        (skip,) = res["skipped"]
+        assert skip["had_residuals"] and skip["state_unchanged"] and skip["params_unchanged"]
+        assert res["stats"][5]["skipped"] and not res["stats"][6]["skipped"]
 
 
 def test_checkpoint_from_other_world_size_is_refused(run_ranks, tmp_path):

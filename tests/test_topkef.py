@@ -138,6 +138,22 @@ def test_non_finite_gradient_gives_nan_everywhere_and_keeps_residual(hvd):
     assert torch.isfinite(dense).all()
 
 
+def test_non_finite_in_one_tensor_nans_the_whole_step_and_keeps_every_residual(hvd):
+    comp = TopKEF(ratio=0.1, min_numel=50)
+    grads = [torch.randn(200), torch.randn(300), torch.randn(10)]
+    run_step(comp, grads)
+    before = {slot: r.clone() for slot, r in comp.memory.residuals.items()}
+    bad = [torch.randn(200), torch.randn(300), torch.randn(10)]
+    bad[1][5] = float("nan")                              # the second of two compressed tensors
+    results = run_step(comp, bad)
+    assert all(torch.isnan(out).all() for _, out in results)   # including the one decompressed first
+    assert comp.memory.residuals.keys() == before.keys()
+    assert all(torch.equal(comp.memory.residuals[s], before[s]) for s in before)
+    small_bad = [torch.randn(200), torch.randn(300), torch.full((10,), float("inf"))]   # dense one
+    assert all(torch.isnan(out).all() for _, out in run_step(comp, small_bad))
+    assert all(torch.equal(comp.memory.residuals[s], before[s]) for s in before)
+
+
 def test_state_dict_roundtrip_continues_identically(hvd):
     torch.manual_seed(0)
     grads = [torch.randn(500) for _ in range(8)]

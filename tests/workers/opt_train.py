@@ -40,6 +40,8 @@ p.add_argument("--resume", default=None, help="checkpoint path to resume from")
 p.add_argument("--amp", action="store_true", help="bf16 autocast + GradScaler")
 p.add_argument("--overflow-rank", type=int, default=-1)
 p.add_argument("--overflow-step", type=int, default=-1)
+p.add_argument("--overflow-one-tensor", action="store_true",
+               help="make only one tensor's gradient non-finite (a hook), instead of the loss")
 args = p.parse_args()
 
 hvd.init()
@@ -75,9 +77,14 @@ start = 0
 if args.resume:
     start = hvd_topk.load_checkpoint(args.resume, model, opt)["next_step"]
 
+current = {"step": -1}
+model[2].weight.register_hook(
+    lambda g: g * float("nan") if (args.overflow_one_tensor and current["step"] == args.overflow_step
+                                    and hvd.rank() == args.overflow_rank) else g)
 w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7), dtype=dtype)
 grads, stats, skipped = [], [], []
 for step in range(start, args.steps):
+    current["step"] = step
     opt.zero_grad(set_to_none=True) if args.mode == "hvd_topk" else opt.zero_grad()  # stock rejects the keyword
     gen = torch.Generator().manual_seed(100_000 * hvd.rank() + step)
     local = None
@@ -85,7 +92,7 @@ for step in range(start, args.steps):
         x = torch.randn(16, 32, generator=gen, dtype=dtype)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
             loss = ((model(x).to(dtype) - x @ w_true) ** 2).mean()
-        if step == args.overflow_step and hvd.rank() == args.overflow_rank:
+        if step == args.overflow_step and hvd.rank() == args.overflow_rank and not args.overflow_one_tensor:
             loss = loss * float("inf")
         if args.record_grads:
             g = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
@@ -94,22 +101,24 @@ for step in range(start, args.steps):
     if args.record_grads:
         grads.append({n: t.detach().clone() for (n, _), t in zip(model.named_parameters(), local)})
     before = {n: q.detach().clone() for n, q in model.named_parameters()}
+    if args.mode == "hvd_topk":
+        snapshot = {k: None if v is None else v.clone() for k, v in opt._hvd_topk.residuals.residuals.items()}
+        snapshot.update({("u", k): v.clone() for k, v in opt._hvd_topk.velocities.items()})
     if scaler is not None:
-        residuals_before = {k: None if v is None else v.clone()
-                            for k, v in opt._hvd_topk.residuals.residuals.items()}
         opt.synchronize()
         with opt.skip_synchronize():
             scaler.step(opt)
         scaler.update()
-        if step == args.overflow_step:
-            unchanged = all(torch.equal(before[n], q) for n, q in model.named_parameters())
-            same_res = residuals_before.keys() == opt._hvd_topk.residuals.residuals.keys() and all(
-                (v is None and residuals_before[k] is None) or torch.equal(v, residuals_before[k])
-                for k, v in opt._hvd_topk.residuals.residuals.items())
-            skipped.append({"params_unchanged": unchanged, "residuals_unchanged": same_res,
-                            "had_residuals": len(residuals_before) > 0, "scale": scaler.get_scale()})
     else:
         opt.step()
+    if step == args.overflow_step:
+        now = {k: None if v is None else v.clone() for k, v in opt._hvd_topk.residuals.residuals.items()}
+        now.update({("u", k): v.clone() for k, v in opt._hvd_topk.velocities.items()})
+        skipped.append({
+            "params_unchanged": all(torch.equal(before[n], q) for n, q in model.named_parameters()),
+            "state_unchanged": now.keys() == snapshot.keys() and all(
+                (v is None and snapshot[k] is None) or torch.equal(v, snapshot[k]) for k, v in now.items()),
+            "had_residuals": len(snapshot) > 0, "scale": scaler.get_scale() if scaler else None})
     if args.mode == "hvd_topk":
         stats.append(opt.stats())
     if step == args.save_at:
