@@ -1,0 +1,197 @@
+"""Which collective wins where, from the alpha-beta cost model alone (hvd_topk.costmodel; no jobs run).
+
+Modelled communication time of one gradient message (default 100 MB: 25M fp32 parameters) for the
+dense ring and tree allreduce, the Top-K allgather (values + int32 indices) and AR-Topk over ring and
+tree, against workers (8 .. 1024), link bandwidth (100 Mbit/s .. 100 Gbit/s) and density.
+
+    python -m bench.scale                          # PNGs + CSV into bench/results/, markdown summary
+    python -m bench.scale --alpha 1e-3 --message-mb 4 --out /tmp/scale
+(Run as a module from the repository root: bench/select.py would shadow the standard library's
+``select`` module if bench/ were on sys.path.)
+
+Writes ``scale_winner.png`` (winner over workers x density, one panel per bandwidth),
+``scale_time_vs_workers.png``, ``scale_time_vs_bandwidth_density.png`` and ``scale.csv`` (every grid
+point: the five modelled times, the winner, and its speed-up over the better dense allreduce).
+"""
+import argparse
+import csv
+import os
+
+import numpy as np
+
+from hvd_topk import costmodel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = [2 ** i for i in range(3, 11)]                          # 8 .. 1024
+BANDWIDTHS = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9, "10 Gbit/s": 10e9, "100 Gbit/s": 100e9}
+DENSITIES = np.logspace(-4, 0, 33)                                 # 1e-4 .. 1, 8 per decade
+COLORS = {"dense_ring": "#4c72b0", "dense_tree": "#8fb3e0", "artopk_ring": "#dd8452",
+          "artopk_tree": "#f2c18f", "allgather": "#55a868"}
+LABELS = {"dense_ring": "dense ring allreduce", "dense_tree": "dense tree allreduce",
+          "artopk_ring": "AR-Topk (ring)", "artopk_tree": "AR-Topk (tree)", "allgather": "Top-K allgather"}
+SUMMARY_WORKERS = (8, 64, 1024)
+SUMMARY_DENSITIES = (0.1, 0.01, 0.001)
+
+
+def beta_of(bits_per_s):
+    """Seconds per byte of a link of ``bits_per_s``."""
+    return 8.0 / bits_per_s
+
+
+def point(n, density, bits_per_s, args):
+    """(modelled seconds of every collective, the cheapest, its speed-up over the better dense one)."""
+    spec = (n, args.message_mb * 1e6, float(density), args.alpha, beta_of(bits_per_s), args.index_bytes,
+            args.value_bytes)
+    times = costmodel.predict(*spec)
+    winner = costmodel.choose(*spec)
+    return times, winner, min(times["dense_ring"], times["dense_tree"]) / times[winner]
+
+
+def write_csv(path, args):
+    """Every grid point as one CSV row."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["workers", "bandwidth_bps", "density", "alpha_s", "message_bytes",
+                    *[f"{name}_s" for name in costmodel.COLLECTIVES], "winner", "speedup_vs_dense"])
+        for bw in BANDWIDTHS.values():
+            for n in WORKERS:
+                for c in DENSITIES:
+                    times, name, speedup = point(n, c, bw, args)
+                    w.writerow([n, f"{bw:.0f}", f"{c:.6g}", args.alpha, f"{args.message_mb * 1e6:.0f}",
+                                *[f"{times[k]:.6g}" for k in costmodel.COLLECTIVES], name, f"{speedup:.4g}"])
+
+
+def plot_winner(path, args, plt):
+    """Heatmaps of the winning collective over (workers, density), one panel per bandwidth."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    names = list(costmodel.COLLECTIVES)
+    cmap = ListedColormap([COLORS[n] for n in names])
+    x_edges = np.log2(WORKERS + [WORKERS[-1] * 2]) - 0.5               # one column per power of two
+    log_c = np.log10(DENSITIES)
+    step = log_c[1] - log_c[0]
+    y_edges = 10 ** np.concatenate([log_c - step / 2, [log_c[-1] + step / 2]])
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9), sharex=True, sharey=True)
+    for ax, (label, bw) in zip(axes.flat, BANDWIDTHS.items()):
+        grid = np.array([[names.index(point(n, c, bw, args)[1]) for n in WORKERS]
+                         for c in DENSITIES])
+        ax.pcolormesh(x_edges, y_edges, grid, cmap=cmap, vmin=-0.5, vmax=len(names) - 0.5, shading="flat")
+        xs = np.log2(WORKERS)
+        ax.plot(xs, [costmodel.crossover_density(n, args.index_bytes, args.value_bytes) for n in WORKERS],
+                "k--", lw=1.5, label="c* = 2/(N(1+s_i/s_v))")
+        ax.set_yscale("log")
+        ax.set_ylim(y_edges[0], 1.0)
+        ax.set_title(f"{label}  (β = {beta_of(bw):.1e} s/B)")
+        ax.set_xticks(xs, [str(n) for n in WORKERS])
+        ax.grid(False)
+    for ax in axes[1]:
+        ax.set_xlabel("workers N")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("density c (fraction sent)")
+    handles = [Patch(color=COLORS[n], label=LABELS[n]) for n in names]
+    handles.append(axes[0, 0].get_lines()[0])
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=11, frameon=False)
+    fig.suptitle(f"Cheapest collective by the α-β model: message {args.message_mb:g} MB, α = {args.alpha:g} s, "
+                 f"{args.index_bytes} B indices / {args.value_bytes} B values", fontsize=13)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_lines(ax, xs, series, xlabel, title, logx=True):
+    """One log-log panel: modelled seconds of each collective against ``xs``."""
+    for name in costmodel.COLLECTIVES:
+        ax.plot(xs, series[name], color=COLORS[name], lw=2, marker="o", ms=3, label=LABELS[name],
+                ls="--" if name.startswith("dense") else "-")
+    ax.set_xscale("log" if logx else "linear")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("modelled communication time (s)")
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def plot_time_vs_workers(path, args, plt):
+    """Time against workers at two bandwidths x two densities."""
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9), sharex=True)
+    for row, (label, bw) in enumerate([("1 Gbit/s", 1e9), ("100 Gbit/s", 100e9)]):
+        for col, c in enumerate((0.01, 0.001)):
+            series = {name: [point(n, c, bw, args)[0][name] for n in WORKERS] for name in costmodel.COLLECTIVES}
+            plot_lines(axes[row, col], WORKERS, series, "workers N", f"{label}, density {c:g}")
+            axes[row, col].set_xscale("log", base=2)
+            axes[row, col].set_xticks(WORKERS, [str(n) for n in WORKERS])
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=11, frameon=False)
+    fig.suptitle(f"Modelled time vs workers: message {args.message_mb:g} MB, α = {args.alpha:g} s", fontsize=13)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_time_vs_bandwidth_density(path, args, plt):
+    """Time against bandwidth (N = 64, c = 0.01) and against density (N = 64, 10 Gbit/s)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+    bws = np.logspace(8, 11, 31)
+    series = {name: [point(64, 0.01, bw, args)[0][name] for bw in bws] for name in costmodel.COLLECTIVES}
+    plot_lines(left, bws / 1e9, series, "bandwidth (Gbit/s)", "N = 64, density 0.01")
+    series = {name: [point(64, c, 10e9, args)[0][name] for c in DENSITIES] for name in costmodel.COLLECTIVES}
+    plot_lines(right, DENSITIES, series, "density c", "N = 64, 10 Gbit/s")
+    right.axvline(costmodel.crossover_density(64, args.index_bytes, args.value_bytes), color="k", ls=":",
+                  label="c* allgather = dense ring (bandwidth)")
+    right.legend(fontsize=9, loc="upper left")
+    fig.suptitle(f"Modelled time vs bandwidth and density: message {args.message_mb:g} MB, α = {args.alpha:g} s",
+                 fontsize=13)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(args):
+    """Markdown: the winner (and its speed-up over the better dense allreduce) at a few grid points."""
+    lines = [f"Modelled by the α-β cost model: message {args.message_mb:g} MB, α = {args.alpha:g} s, "
+             f"{args.index_bytes} B indices / {args.value_bytes} B values. Cell: cheapest collective "
+             f"(speed-up over the better dense allreduce). Communication only: Top-K selection time is not "
+             f"modelled.", ""]
+    head = "| bandwidth | density | " + " | ".join(f"N = {n}" for n in SUMMARY_WORKERS) + " |"
+    lines += [head, "|" + "---|" * (2 + len(SUMMARY_WORKERS))]
+    for label, bw in BANDWIDTHS.items():
+        for c in SUMMARY_DENSITIES:
+            cells = []
+            for n in SUMMARY_WORKERS:
+                _, name, speedup = point(n, c, bw, args)
+                cells.append(f"{name} ({speedup:.1f}x)")
+            lines.append(f"| {label} | {c:g} | " + " | ".join(cells) + " |")
+    cross = ", ".join(f"N={n}: {costmodel.crossover_density(n, args.index_bytes, args.value_bytes):.3g}"
+                      for n in SUMMARY_WORKERS)
+    lines += ["", f"Allgather sends fewer bytes than a dense ring only below c* = 2/(N(1+s_i/s_v)): {cross}."]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="folder for PNGs and CSV")
+    p.add_argument("--message-mb", type=float, default=100.0, help="dense gradient message, MB (1e6 B)")
+    p.add_argument("--alpha", type=float, default=50e-6, help="latency per message, s")
+    p.add_argument("--index-bytes", type=int, default=4)
+    p.add_argument("--value-bytes", type=int, default=4)
+    args = p.parse_args()
+    # Bad values fail here, with costmodel's ValueError naming them, before any plotting.
+    costmodel.predict(2, args.message_mb * 1e6, 0.5, args.alpha, 1e-9, args.index_bytes, args.value_bytes)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(args.out, exist_ok=True)
+    outputs = [os.path.join(args.out, name) for name in
+               ("scale_winner.png", "scale_time_vs_workers.png", "scale_time_vs_bandwidth_density.png", "scale.csv")]
+    plot_winner(outputs[0], args, plt)
+    plot_time_vs_workers(outputs[1], args, plt)
+    plot_time_vs_bandwidth_density(outputs[2], args, plt)
+    write_csv(outputs[3], args)
+    print(summary(args))
+    print("\nwrote " + ", ".join(os.path.relpath(o) for o in outputs))
+
+
+if __name__ == "__main__":
+    main()

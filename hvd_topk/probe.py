@@ -1,0 +1,270 @@
+"""Online probe of the cost model's alpha and beta over Horovod's public collectives.
+
+Every rank runs the same schedule: for each message size (4 B .. 4 MiB by default, largest first)
+one untimed warm-up call and ``repeats`` timed calls of ``hvd.allreduce_`` (or ``hvd.broadcast_``)
+on a float32 tensor; the median time per size is kept. The ranks agree on the medians (averaged
+with an allreduce, then rank 0's copy broadcast, so the bits are identical everywhere). If the
+largest size took less than 4x the smallest, the bandwidth term is drowned by latency and noise,
+so sizes x4 larger are added (up to ``max_bytes``), decided on the agreed times. A line
+``t = a + b·bytes`` is fitted by ordinary least squares, rank 0's fit is broadcast, and the line is
+read through the cost model of the collective used (DESIGN.md section 2, ``M`` the message bytes,
+``N`` the ranks):
+
+- ``allreduce`` (ring): t = 2(N−1)α + 2(N−1)/N·Mβ, so  α = a / (2(N−1)),  β = b·N / (2(N−1)).
+- ``broadcast`` (tree): t = α·log2 N + log2 N·Mβ,   so  α = a / log2 N,    β = b / log2 N.
+
+What the numbers include: α is the *effective* latency of one step as Horovod sees it (Python call,
+Horovod's background-thread cycle and negotiation, the transport's latency), which is what a step
+time built from these collectives pays. β is seconds per byte *per rank*: when the ranks share one
+link (one host's loopback, one NIC for several ranks), β is the shared link's time per byte times
+the number of ranks sending at once. E.g. a 2-rank ring allreduce on one loopback limited to R
+bytes/s sends 2M bytes through it (M per rank), so t ≈ 2M/R and the probe reports β ≈ 2/R.
+
+Example:
+    >>> import horovod.torch as hvd
+    >>> from hvd_topk import costmodel
+    >>> from hvd_topk.probe import Probe
+    >>> hvd.init()
+    >>> probe = Probe()
+    >>> res = probe.run()                                   # collective: call on every rank
+    >>> best = costmodel.choose(hvd.size(), 4e6, 0.01, res.alpha, res.beta)
+"""
+import math
+import numbers
+import statistics
+import time
+from typing import NamedTuple, Tuple
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+__all__ = ["DEFAULT_SIZES", "ProbeResult", "Probe", "fit_line", "to_alpha_beta", "drift"]
+
+# 4 B .. 4 MiB in steps of x16: six sizes, 0.1-0.4 s in all on an unlimited loopback here (2 busy
+# cores), the x4 extension to 16 MiB included when it happens.
+DEFAULT_SIZES = (4, 64, 1024, 16384, 262144, 4194304)
+_PROBED = ("allreduce", "broadcast")
+# The largest message must take this many times the smallest's time, or the slope is noise.
+_MIN_SIGNAL = 4.0
+
+
+class ProbeResult(NamedTuple):
+    """One probe's outcome, identical on every rank."""
+    alpha: float                 # s, the cost model's latency (>= 0)
+    beta: float                  # s/byte per rank, the cost model's inverse bandwidth (>= 0)
+    intercept_s: float           # a of the fitted t = a + b·bytes (may be slightly < 0 from noise)
+    slope_s_per_byte: float      # b of the fit
+    collective: str              # "allreduce" or "broadcast"
+    n_workers: int
+    sizes: Tuple[int, ...]       # message bytes probed, ascending (with any x4 extension)
+    times_s: Tuple[float, ...]   # median seconds per size, averaged over the ranks
+    wall_s: float                # seconds the probe took on rank 0
+
+
+def fit_line(sizes, times):
+    """Ordinary least-squares line ``t = a + b·bytes`` through (sizes, times).
+
+    Unweighted on purpose: the slope is then set by the large messages, where beta matters (gradients
+    are megabytes) and where real links bend away from a line least (a relative-error fit let the
+    small, latency-bound sizes drag the slope of a 100 Mbit/s link 16% low). With a geometric size
+    ladder most points are small, so the intercept still lands near the small messages' time.
+
+    Args:
+        sizes: message bytes, at least two distinct values.
+        times: seconds per message, same length, finite.
+
+    Returns:
+        (a, b) as floats: intercept in s, slope in s/byte.
+
+    Example:
+        >>> a, b = fit_line([0, 1000, 2000], [1e-3, 2e-3, 3e-3])
+        >>> round(a, 9), round(b, 12)
+        (0.001, 1e-06)
+    """
+    x = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(times, dtype=np.float64)
+    if x.ndim != 1 or x.shape != t.shape or len(np.unique(x)) < 2:
+        raise ValueError("sizes and times must be 1-D, of equal length, with at least two distinct sizes")
+    if not np.isfinite(t).all():
+        raise ValueError(f"times must be finite, got {t.tolist()}")
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), t, rcond=None)
+    return float(a), float(b)
+
+
+def to_alpha_beta(intercept_s, slope_s_per_byte, n_workers, collective="allreduce"):
+    """The cost model's (alpha, beta) from a fitted line of ``collective`` on ``n_workers`` ranks.
+
+    allreduce (ring): α = a / (2(N−1)), β = b·N / (2(N−1)); broadcast (tree): α = a / log2 N,
+    β = b / log2 N. Negative values (noise around 0) are clamped to 0; N = 1 gives (0, 0).
+
+    Args:
+        intercept_s, slope_s_per_byte: a and b of ``fit_line``.
+        n_workers: int >= 1.
+        collective: ``"allreduce"`` or ``"broadcast"``.
+
+    Returns:
+        (alpha, beta) as floats >= 0.
+
+    Example:
+        >>> to_alpha_beta(4e-4, 2e-8, 2)     # 2 ranks: α = a/2, β = b
+        (0.0002, 2e-08)
+    """
+    if collective not in _PROBED:
+        raise ValueError(f"collective must be one of {_PROBED}, got {collective!r}")
+    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+        raise ValueError(f"n_workers must be an int >= 1, got {n_workers!r}")
+    if n_workers == 1:
+        return 0.0, 0.0
+    if collective == "allreduce":
+        alpha, beta = intercept_s / (2 * (n_workers - 1)), slope_s_per_byte * n_workers / (2 * (n_workers - 1))
+    else:
+        alpha, beta = intercept_s / math.log2(n_workers), slope_s_per_byte / math.log2(n_workers)
+    return max(0.0, alpha), max(0.0, beta)
+
+
+def drift(measured_comm_s, predicted_comm_s, threshold=0.25):
+    """True when a measured communication time is off the modelled one by more than ``threshold``.
+
+    Relative error ``|measured − predicted| / predicted``; with ``predicted == 0`` any measured time
+    > 0 counts as drift. Feed it the same numbers on every rank (e.g. averaged with an allreduce, as
+    ``Probe.drift`` does), or ranks disagree on re-probing and their collectives no longer match.
+
+    Args:
+        measured_comm_s: measured seconds, finite and >= 0 (average a few steps: one step is noisy).
+        predicted_comm_s: modelled seconds (``costmodel.predict``), finite and >= 0.
+        threshold: tolerated relative error, finite and > 0.
+
+    Returns:
+        bool: re-probe (and re-choose) when True.
+
+    Example:
+        >>> drift(0.013, 0.010), drift(0.011, 0.010)
+        (True, False)
+    """
+    for name, value in (("measured_comm_s", measured_comm_s), ("predicted_comm_s", predicted_comm_s)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold) \
+            or threshold <= 0:
+        raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
+    if predicted_comm_s == 0:
+        return measured_comm_s > 0
+    return abs(measured_comm_s - predicted_comm_s) / predicted_comm_s > threshold
+
+
+class Probe:
+    """Measures alpha and beta with Horovod's collectives; every method that talks is collective.
+
+    Args:
+        sizes: message bytes to probe, multiples of 4 (float32 elements), at least two distinct ones
+            (default ``DEFAULT_SIZES``, 4 B .. 4 MiB). They are probed largest first; on slow links
+            keep the largest well above the link's burst, and mind the time: each size is sent
+            ``repeats + 1`` times.
+        repeats: timed calls per size, int >= 1 (default 5); the median is kept.
+        max_bytes: int (multiple of 4). When the largest size takes less than 4x the smallest, the
+            bandwidth term is lost in the latency and its noise (fast links, busy hosts), so sizes x4
+            larger are added, up to this many bytes (default 16 MiB), until it does.
+        collective: ``"allreduce"`` (ring model) or ``"broadcast"`` (tree model, root 0).
+        threshold: relative error of ``drift`` (default 0.25).
+        name: prefix of the Horovod collective names (identical on every rank).
+
+    Example:
+        >>> probe = Probe(repeats=3)
+        >>> res = probe.run()                      # every rank: res.alpha, res.beta identical
+        >>> if probe.drift(measured_comm_s=0.02, predicted_comm_s=0.01):
+        ...     res = probe.run()
+    """
+
+    def __init__(self, sizes=DEFAULT_SIZES, repeats=5, max_bytes=16 << 20, collective="allreduce",
+                 threshold=0.25, name="hvd_topk.probe"):
+        sizes = tuple(sizes)
+        if len(set(sizes)) < 2 or not all(_is_msg_bytes(s) for s in sizes):
+            raise ValueError(f"sizes must hold at least two distinct ints >= 4 that are multiples of 4, "
+                             f"got {sizes!r}")
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+        if not _is_msg_bytes(max_bytes):
+            raise ValueError(f"max_bytes must be an int >= 4 that is a multiple of 4, got {max_bytes!r}")
+        if collective not in _PROBED:
+            raise ValueError(f"collective must be one of {_PROBED}, got {collective!r}")
+        drift(0.0, 0.0, threshold)    # validates threshold
+        # Schedule (identical on every rank)
+        self.sizes = tuple(sorted(set(sizes)))
+        self.repeats = repeats
+        self.max_bytes = max_bytes
+        self.collective = collective
+        self.name = name
+        # Re-probe policy
+        self.threshold = threshold
+        # Outcome of the last run, None before the first
+        self.result = None
+
+    def run(self):
+        """Probe now (collective: every rank calls it at the same point) and return a ``ProbeResult``.
+
+        At world size 1 nothing is sent and alpha = beta = 0 (the cost model predicts 0 there too).
+        """
+        start = time.perf_counter()
+        n = hvd.size()
+        if n == 1:
+            self.result = ProbeResult(0.0, 0.0, 0.0, 0.0, self.collective, 1, self.sizes,
+                                      tuple(0.0 for _ in self.sizes), 0.0)
+            return self.result
+        # One small call lines the ranks up, so that no rank times the others' late arrival.
+        hvd.allreduce_(torch.zeros(1), op=hvd.Sum, name=f"{self.name}.align")
+        # Largest first: a token bucket's burst allowance (tc tbf, cloud NIC credits) is then spent in
+        # the first untimed warm-up call instead of flattering the timed ones.
+        medians = {size: self._median_s(size) for size in reversed(self.sizes)}
+        sizes = list(self.sizes)
+        times = self._agree([medians[s] for s in sizes], "times")
+        # The extension is decided on agreed times, so every rank takes the same schedule.
+        while times[-1] < _MIN_SIGNAL * times[0] and sizes[-1] * 4 <= self.max_bytes:
+            sizes.append(sizes[-1] * 4)
+            times += self._agree([self._median_s(sizes[-1])], f"times.{sizes[-1]}")
+        a, b = fit_line(sizes, times)
+        a, b, wall = self._agree([a, b, time.perf_counter() - start], "fit", average=False)
+        alpha, beta = to_alpha_beta(a, b, n, self.collective)
+        self.result = ProbeResult(alpha, beta, a, b, self.collective, n, tuple(sizes), tuple(times), wall)
+        return self.result
+
+    def drift(self, measured_comm_s, predicted_comm_s):
+        """Whether to re-probe: ``drift`` on the ranks' average of ``measured_comm_s`` (collective).
+
+        Args:
+            measured_comm_s: this rank's measured communication seconds, finite and >= 0.
+            predicted_comm_s: the modelled seconds, identical on every rank.
+
+        Returns:
+            bool, identical on every rank.
+        """
+        drift(measured_comm_s, predicted_comm_s, self.threshold)   # validates before talking
+        if hvd.size() > 1:
+            (measured_comm_s,) = self._agree([float(measured_comm_s)], "drift")
+        return drift(measured_comm_s, predicted_comm_s, self.threshold)
+
+    def _median_s(self, size):
+        """Median seconds of ``repeats`` calls of ``size`` bytes, after one untimed warm-up call."""
+        buf = torch.zeros(size // 4, dtype=torch.float32)
+        times = []
+        for i in range(self.repeats + 1):
+            t0 = time.perf_counter()
+            if self.collective == "allreduce":      # one name per size: Horovod's cache serves repeats
+                hvd.allreduce_(buf, op=hvd.Sum, name=f"{self.name}.allreduce.{size}")
+            else:
+                hvd.broadcast_(buf, root_rank=0, name=f"{self.name}.broadcast.{size}")
+            if i:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def _agree(self, values, key, average=True):
+        """``values`` averaged over the ranks (or rank 0's), as rank 0 holds them: identical bits everywhere."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if average:
+            t = hvd.allreduce(t, op=hvd.Sum, name=f"{self.name}.{key}.sum") / hvd.size()
+        return hvd.broadcast(t, root_rank=0, name=f"{self.name}.{key}").tolist()
+
+
+def _is_msg_bytes(value):
+    """An int >= 4 and a multiple of 4 (whole float32 elements)."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 4 and value % 4 == 0
