@@ -10,6 +10,7 @@
 #      so a second run takes seconds.
 #   5. hvd_topk itself, editable.
 # Environment knobs: HVD_TOPK_VENV (venv path), HVD_TOPK_CACHE (wheel cache), PYTHON (interpreter),
+# HVD_TOPK_TORCH_VERSION (torch pin; the Docker image sets a CUDA build),
 # HOROVOD_GPU_OPERATIONS (e.g. NCCL, used by docker/Dockerfile), HVD_TOPK_SKIP_APT=1 (packages present).
 set -euo pipefail
 
