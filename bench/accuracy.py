@@ -1,7 +1,7 @@
 """Digits CNN accuracy: dense Horovod against hvd_topk (with and without momentum correction), seeds
 side by side, 2 ranks (horovodrun, Gloo). Prints a markdown table of mean test accuracy per config.
 
-    python -m bench.accuracy                     # the full table (24 runs)
+    python -m bench.accuracy                     # the full table (27 runs)
     python -m bench.accuracy --seeds 0 --epochs 5
 """
 import argparse
@@ -23,6 +23,8 @@ CONFIGS = {
     "SGD top-k 0.001, correction + warm-up": ["--compression", "hvd_topk", "--ratio", "0.001", "--warmup-epochs", "4"],
     "SGD top-k 0.001, correction + warm-up, allgather": ["--compression", "hvd_topk", "--ratio", "0.001",
                                                          "--warmup-epochs", "4", "--communication", "allgather"],
+    "SGD top-k 0.001, correction + warm-up, global selection": [
+        "--compression", "hvd_topk", "--ratio", "0.001", "--warmup-epochs", "4", "--selection", "global"],
     "Adam dense": ["--compression", "none", "--optimizer", "adam", "--lr", "0.001"],
     "Adam top-k 0.01": ["--compression", "hvd_topk", "--optimizer", "adam", "--lr", "0.001", "--ratio", "0.01"],
 }

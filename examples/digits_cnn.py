@@ -44,6 +44,8 @@ p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
 p.add_argument("--communication", choices=["artopk", "allgather", "dense"], default="artopk",
                help="hvd_topk: transport")
 p.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
+p.add_argument("--selection", choices=["layerwise", "global"], default="layerwise",
+               help="hvd_topk: top-k per tensor, or over all compressed tensors at once")
 p.add_argument("--momentum-correction", choices=["auto", "on", "off"], default="auto",
                help="hvd_topk: DGC momentum correction (auto: on for SGD with momentum)")
 p.add_argument("--warmup-epochs", type=int, default=0, help="hvd_topk: DGC warm-up epochs")
@@ -101,6 +103,7 @@ def main():
             opt, named_parameters=model.named_parameters(),
             compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel),
             communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
+            selection=args.selection,
             momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction])
     else:
         compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
