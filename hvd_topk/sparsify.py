@@ -1,5 +1,6 @@
 """Pure tensor functions for Top-K sparsification. No Horovod import here (DESIGN.md rule 2)."""
 import math
+import numbers
 
 import torch
 
@@ -23,25 +24,170 @@ def k_for(numel, ratio):
     return min(int(numel), max(1, math.ceil(ratio * numel)))
 
 
+# Fast exact selection (DESIGN.md section 2). The magnitude of an IEEE float orders exactly like its bit
+# pattern with the sign bit cleared, read as a signed integer of the same width; NaN patterns lie above
+# inf there, so NaN counts as the largest magnitude, as in torch.topk. Working on these integers keeps
+# the selection exact (no rounding of a threshold) and needs neither an abs() copy nor a NaN pass.
+_MAGNITUDE_BITS = {
+    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
+    torch.float32: (torch.int32, 0x7FFF_FFFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.bfloat16: (torch.int16, 0x7FFF),
+}
+# Below this size, or above this fraction kept, one torch.topk beats a sample plus a pass.
+_MIN_FAST_NUMEL = 1 << 16
+_MAX_FAST_RATIO = 0.25
+# Random sample for the threshold estimate: one position per 64 elements, within these bounds, costs
+# a few percent of the pass yet puts the threshold within ~10% of the k-th magnitude's rank for the
+# usual ratios. A fixed seed makes every call on the same input identical.
+_SAMPLE_PER = 64
+_MIN_SAMPLE_SIZE = 1 << 12
+_MAX_SAMPLE_SIZE = 1 << 16
+_SAMPLE_SEED = 0x7A5C
+# Safety margins, in binomial standard deviations of the sampled rank, for the threshold below the
+# k-th magnitude; a larger one is tried only if the previous pass found fewer than k candidates.
+_MARGINS = (3.0, 12.0)
+# Elements per pass step. CPU: the step's buffers (2.5 MiB, split over the threads) stay in the cores'
+# L2 caches, and the dozen small ops per step cost little next to the work. CUDA: few launches, and
+# the buffers still stay small next to large inputs.
+_CPU_CHUNK = 1 << 19
+_CUDA_CHUNK = 1 << 24
+
+
 def topk_indices(x, k):
     """Indices (int64) of the k entries of the 1-D tensor ``x`` with the largest magnitude.
 
-    NaN is treated as larger than any number (as ``torch.topk`` does).
+    Exact: the same index set as ``torch.topk(x.abs(), k).indices`` whenever the k-th largest magnitude
+    is not tied. For large inputs it estimates a threshold a little below the k-th magnitude from a
+    fixed-seed random sample, collects the entries at or above it in one cache-blocked pass, and runs
+    ``torch.topk`` on those few candidates only; if the pass finds fewer than k it retries with a lower
+    threshold, and after that falls back to ``torch.topk``. Extra memory is a few cache-sized buffers
+    plus the candidates, not a copy of ``x`` (except in that rare fallback, and for small inputs or
+    k > n/4, which go straight to ``torch.topk``).
+
+    NaN is treated as larger than any number (as ``torch.topk`` does), so a non-finite input selects
+    its NaN entries first; callers that must not send NaN check finiteness themselves. -0.0 and 0.0 are
+    equal. Ties at the k-th magnitude are broken deterministically: the same input always gives the
+    same indices.
 
     Args:
-        x: 1-D floating tensor (CPU or CUDA).
-        k: 1 <= k <= x.numel().
+        x: 1-D non-empty tensor of dtype float32, float16, bfloat16 or float64 (CPU or CUDA).
+        k: integer, 1 <= k <= x.numel().
 
     Returns:
-        1-D int64 tensor of k distinct indices, in no particular order.
+        1-D int64 tensor of k distinct indices on ``x.device``, in no particular order.
 
     Example:
         >>> topk_indices(torch.tensor([0.1, -3.0, 2.0]), 2).sort().values.tolist()
         [1, 2]
     """
-    if k >= x.numel():
-        return torch.arange(x.numel(), device=x.device)
+    if x.dim() != 1 or x.numel() == 0:
+        raise ValueError(f"x must be a non-empty 1-D tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in _MAGNITUDE_BITS:
+        raise ValueError(f"x must have dtype float32, float16, bfloat16 or float64, got {x.dtype}")
+    n = x.numel()
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n:
+        raise ValueError(f"k must be an integer in [1, {n}] (x.numel()), got {k!r}")
+    k = int(k)
+    x = x.detach()
+    if k == n:
+        return torch.arange(n, device=x.device)
+    if n < _MIN_FAST_NUMEL or k > _MAX_FAST_RATIO * n:
+        return _topk_exact(x, k)
+    return _topk_by_threshold(x, k)
+
+
+def _topk_exact(x, k):
+    """Reference selection: torch.topk over a full magnitude copy."""
     return torch.topk(x.abs(), k, sorted=False).indices
+
+
+def _topk_by_threshold(x, k, sample_size=None, chunk=None):
+    """Exact top-k magnitudes of 1-D ``x`` via a sampled threshold, a candidate pass and a small topk."""
+    bits_dtype, mask = _MAGNITUDE_BITS[x.dtype]
+    bits = x.view(bits_dtype)
+    n = x.numel()
+    sample_size = sample_size or min(_MAX_SAMPLE_SIZE, max(_MIN_SAMPLE_SIZE, n // _SAMPLE_PER))
+    chunk = chunk or (_CUDA_CHUNK if x.is_cuda else _CPU_CHUNK)
+    gen = torch.Generator().manual_seed(_SAMPLE_SEED)
+    where = torch.randint(n, (sample_size,), generator=gen).to(x.device)
+    sample = _magnitudes(bits, mask, where)
+    # Expected rank of the k-th magnitude in the sample, and its binomial spread.
+    rank = k * sample_size / n
+    spread = math.sqrt(rank * (1.0 - k / n)) + 1.0
+    # More entries above the threshold than this means the sample misled us: give up on it.
+    cap = 2 * k + sample_size
+    for margin in _MARGINS:
+        r = math.ceil(rank + margin * spread)
+        threshold = int(torch.topk(sample, r).values[-1]) if r <= sample_size else 0
+        try:
+            picked = _pick_above(bits, mask, threshold, k, cap, chunk)
+        except _TooManyCandidates:
+            break
+        if picked is not None:
+            return picked
+    return _topk_exact(x, k)
+
+
+class _TooManyCandidates(Exception):
+    """More than ``cap`` magnitudes exceed the threshold: it lies far below the k-th one."""
+
+
+def _pick_above(bits, mask, threshold, k, cap, chunk):
+    """Top-k indices if at least k magnitudes reach ``threshold``, else None; one pass over ``bits``."""
+    n = bits.numel()
+    mags = torch.empty(min(chunk, n), dtype=bits.dtype, device=bits.device)
+    hits = torch.empty(min(chunk, n), dtype=torch.bool, device=bits.device)
+    found, n_found = [], 0
+    tied = None
+    bound = threshold
+    for start in range(0, n, chunk):
+        length = min(chunk, n - start)
+        torch.bitwise_and(bits[start:start + length], mask, out=mags[:length])
+        torch.ge(mags[:length], bound, out=hits[:length])
+        found.append(_nonzero(hits[:length], offset=start))
+        n_found += found[-1].numel()
+        if n_found > cap and tied is None:
+            # Many entries equal to the threshold (zeros of a sparse gradient, say): the first k of
+            # them in index order are all that can be needed, so keep those and from here on collect
+            # strictly larger magnitudes only.
+            found = torch.cat(found)
+            is_above = _magnitudes(bits, mask, found) > threshold
+            tied = found.index_select(0, _nonzero(~is_above)[:k])
+            found = [found.index_select(0, _nonzero(is_above))]
+            n_found = found[0].numel()
+            if threshold == mask:
+                break
+            bound = threshold + 1
+        if n_found > cap:
+            raise _TooManyCandidates
+    found = torch.cat(found)
+    if n_found < k:
+        # Too few reach the threshold, unless the tied ones kept above make up the difference.
+        return None if tied is None else torch.cat([found, tied[:k - n_found]])
+    if n_found == k:
+        return found
+    return found.index_select(0, torch.topk(_magnitudes(bits, mask, found), k, sorted=False).indices)
+
+
+def _magnitudes(bits, mask, idx):
+    """Magnitude bits of the entries at ``idx``."""
+    return torch.bitwise_and(bits.index_select(0, idx), mask)
+
+
+def _nonzero(hits, offset=0):
+    """Ascending positions, plus ``offset``, of the True entries of a 1-D bool mask."""
+    if hits.is_cuda:
+        return hits.nonzero().view(-1).add_(offset)
+    # CPU nonzero is slow per element scanned (and worse when parallel): scan the mask as 8-byte
+    # words first, then only the bytes of the words that hold a hit.
+    body = hits.numel() // 8 * 8
+    words = hits[:body].view(torch.int64).nonzero().view(-1)
+    row_col = hits[:body].view(torch.int64).index_select(0, words).view(torch.bool).view(-1, 8).nonzero()
+    found = words.index_select(0, row_col[:, 0]).mul_(8).add_(row_col[:, 1])
+    if body < hits.numel():
+        found = torch.cat([found, hits[body:].nonzero().view(-1).add_(body)])
+    return found.add_(offset)
 
 
 def spread_indices(numel, k, device=None):
