@@ -8,6 +8,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
+def assert_identical_across_ranks(results):
+    """Bit-identical parameters on every rank, and training that did not blow up (a stronger check
+    than identity alone: diverged runs can be identical too)."""
+    for name, value in results[0]["params"].items():
+        assert torch.isfinite(value).all() and value.abs().max() < 100, f"{name} diverged"
+    for r, res in enumerate(results[1:], start=1):
+        for name, value in results[0]["params"].items():
+            assert torch.equal(value, res["params"][name]), f"rank {r} differs from rank 0 in {name}"
+
+
 @pytest.fixture(scope="session")
 def hvd():
     """Horovod initialised in this process (world size 1: collectives are local)."""

@@ -4,15 +4,7 @@ import torch
 
 from hvd_topk.launch import JobFailed
 
-
-def assert_identical_across_ranks(results):
-    """Bit-identical parameters on every rank, and training that did not blow up (a stronger check
-    than identity alone: diverged runs can be identical too)."""
-    for name, value in results[0]["params"].items():
-        assert torch.isfinite(value).all() and value.abs().max() < 100, f"{name} diverged"
-    for r, res in enumerate(results[1:], start=1):
-        for name, value in results[0]["params"].items():
-            assert torch.equal(value, res["params"][name]), f"rank {r} differs from rank 0 in {name}"
+from conftest import assert_identical_across_ranks
 
 
 @pytest.mark.parametrize("op,bpps", [("average", 1), ("sum", 1), ("average", 2)])

@@ -7,6 +7,8 @@ import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk.sparsify import k_for
 
+from conftest import assert_identical_across_ranks
+
 
 def make(hvd, **kw):
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
@@ -125,16 +127,6 @@ def test_checkpoint_files_are_per_rank_and_checked(hvd, tmp_path):
 
 
 # -- real multi-rank jobs --------------------------------------------------------------------------
-
-def assert_identical_across_ranks(results):
-    """Bit-identical parameters on every rank, and training that did not blow up (a stronger check
-    than identity alone: diverged runs can be identical too)."""
-    for name, value in results[0]["params"].items():
-        assert torch.isfinite(value).all() and value.abs().max() < 100, f"{name} diverged"
-    for r, res in enumerate(results[1:], start=1):
-        for name, value in results[0]["params"].items():
-            assert torch.equal(value, res["params"][name]), f"rank {r} differs from rank 0 in {name}"
-
 
 @pytest.mark.parametrize("communication,selection", [("artopk", "layerwise"), ("allgather", "layerwise"),
                                                      ("dense", "layerwise"), ("artopk", "global")])
