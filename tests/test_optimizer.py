@@ -97,6 +97,36 @@ def test_error_feedback_invariant_single_process_plain_ef(hvd):
     torch.testing.assert_close(total_sent + residual, total_grad, rtol=0, atol=1e-10)
 
 
+def test_local_clipping_caps_each_gradient_norm(hvd):
+    model = nn.Linear(64, 64, bias=False)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                        named_parameters=model.named_parameters(),
+                                        compression=TopKEF(ratio=1.0), clip_grad_norm=0.5)
+    (model(torch.randn(8, 64)) * 1000).sum().backward()
+    assert float(model.weight.grad.norm()) > 10
+    opt.synchronize()
+    assert float(model.weight.grad.norm()) == pytest.approx(0.5, rel=1e-5)   # world size 1: 0.5 / sqrt(1)
+
+
+def test_stats_and_tensorboard_writer(hvd, tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from hvd_topk.stats import write_tensorboard
+    model = nn.Linear(100, 50, bias=False)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=TopKEF(ratio=0.02, min_numel=0))
+    model(torch.randn(4, 100)).sum().backward()
+    opt.step()
+    stats = opt.stats()
+    assert stats["sparse_tensors"] == 1 and stats["density"] == 0.02
+    assert stats["bytes_sent"] == (100 + 1) * 4          # k fp32 values + the finite flag
+    assert 0 < stats["compression_gain"] < 1 and stats["residual_norm"] > 0
+    with SummaryWriter(str(tmp_path)) as writer:
+        write_tensorboard(writer, stats, step=1)
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
 def test_state_dict_refuses_other_world_size_and_model(hvd):
     model, opt = make(hvd)
     model(torch.randn(2, 8)).sum().backward()
@@ -144,10 +174,17 @@ def test_ratio_one_reproduces_dense_horovod(run_ranks, communication, selection)
 
 @pytest.mark.parametrize("communication,leader,selection,np", [
     ("artopk", "star", "layerwise", 2), ("artopk", "var", "layerwise", 3), ("allgather", "star", "layerwise", 2),
-    ("dense", "star", "layerwise", 2), ("artopk", "star", "global", 3), ("allgather", "star", "global", 2)])
+    ("dense", "star", "layerwise", 2), ("artopk", "star", "global", 3), ("allgather", "star", "global", 2),
+    ("allgather-fp16", "star", "layerwise", 2), ("artopk-fp16-bpps2", "star", "layerwise", 2)])
 def test_params_bit_identical_after_200_steps(run_ranks, communication, leader, selection, np):
+    extra = []
+    if "-fp16" in communication:                      # values in float16 on the wire
+        extra += ["--value-dtype", "float16"]
+    if communication.endswith("-bpps2"):              # backward_passes_per_step=2
+        extra += ["--bpps", 2]
+    communication = communication.split("-")[0]
     results = run_ranks(np, "opt_train.py", "--steps", 200, "--communication", communication,
-                        "--leader", leader, "--selection", selection, "--ratio", 0.01, "--width", 128)
+                        "--leader", leader, "--selection", selection, "--ratio", 0.01, "--width", 128, *extra)
     assert_identical_across_ranks(results)
     last = results[0]["stats"][-1]
     if communication != "dense":

@@ -69,13 +69,14 @@ else:
         momentum_correction={"auto": None, "on": True, "off": False}[args.mc],
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
         value_dtype=None if args.value_dtype == "none" else torch.float16)
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-hvd.broadcast_optimizer_state(opt, root_rank=0)
-initial = {n: q.detach().clone() for n, q in model.named_parameters()}
-
 start = 0
 if args.resume:
     start = hvd_topk.load_checkpoint(args.resume, model, opt)["next_step"]
+# After a resume too: broadcasting must not overwrite the per-rank residuals just loaded (the resume
+# test would see it, since every rank's residuals differ).
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+initial = {n: q.detach().clone() for n, q in model.named_parameters()}
 
 current = {"step": -1}
 model[2].weight.register_hook(
