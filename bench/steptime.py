@@ -1,8 +1,10 @@
-"""Step time and link bytes of TopKEF in stock Horovod against dense Horovod, side by side in one run.
+"""Step time and link bytes of TopKEF and hvd_topk.DistributedOptimizer against dense Horovod, side by
+side in one run.
 
 A deep MLP (default 31 Linear layers = 62 parameter tensors) on 2 ranks (horovodrun, Gloo) in a
-private network namespace with an unlimited loopback. Modes: dense, TopKEF with the one-step-stale
-asynchronous index broadcast (default), and TopKEF with a blocking index broadcast per tensor.
+private network namespace with an unlimited loopback. Modes: dense; TopKEF in stock Horovod with the
+one-step-stale asynchronous index broadcast (default) and with a blocking index broadcast per tensor;
+hvd_topk.DistributedOptimizer (momentum correction on) with artopk layerwise, artopk global, allgather.
 
     python -m bench.steptime                    # prints a table; --json-out to save it
     python -m bench.steptime --depth 60 --width 512 --ratio 0.001
@@ -20,7 +22,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {"dense": [], "topkef (stale indices)": ["--topkef"],
-         "topkef (sync indices)": ["--topkef", "--sync-indices"]}
+         "topkef (sync indices)": ["--topkef", "--sync-indices"],
+         "hvd_topk artopk layerwise": ["--hvd-topk", "artopk", "layerwise"],
+         "hvd_topk artopk global": ["--hvd-topk", "artopk", "global"],
+         "hvd_topk allgather layerwise": ["--hvd-topk", "allgather", "layerwise"]}
 
 
 def worker(args):
@@ -28,6 +33,7 @@ def worker(args):
     import torch
     import torch.nn as nn
 
+    import hvd_topk
     from hvd_topk import TopKEF
     from hvd_topk.wire import loopback_bytes
 
@@ -36,10 +42,16 @@ def worker(args):
     torch.manual_seed(0)
     layers = [nn.Linear(args.width, args.width) for _ in range(args.depth)] + [nn.Linear(args.width, 1)]
     model = nn.Sequential(*layers)
-    compression = (TopKEF(ratio=args.ratio, sync_indices=args.sync_indices) if args.topkef
-                   else hvd.Compression.none)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-                                   named_parameters=model.named_parameters(), compression=compression)
+    base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if args.hvd_topk:
+        communication, selection = args.hvd_topk
+        opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                            compression=TopKEF(ratio=args.ratio), communication=communication,
+                                            selection=selection)
+    else:
+        compression = (TopKEF(ratio=args.ratio, sync_indices=args.sync_indices) if args.topkef
+                       else hvd.Compression.none)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     x, y = torch.randn(32, args.width), torch.randn(32, 1)
     times = []
@@ -110,5 +122,6 @@ if __name__ == "__main__":
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--topkef", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sync-indices", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--hvd-topk", nargs=2, metavar=("COMMUNICATION", "SELECTION"), help=argparse.SUPPRESS)
     a = p.parse_args()
     worker(a) if a.worker else driver(a)
