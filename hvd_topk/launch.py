@@ -35,20 +35,17 @@ def launch_command(np, argv, backend="gloo"):
     Args:
         np: number of ranks, >= 1.
         argv: the per-rank command.
-        backend: ``"gloo"`` (horovodrun --gloo), ``"mpi"`` (mpirun over TCP, no shared memory, so that
-            traffic crosses the loopback) or ``"horovodrun-mpi"`` (horovodrun --mpi).
+        backend: ``"gloo"`` (horovodrun --gloo) or ``"mpi"`` (mpirun over TCP, no shared memory, so
+            that traffic crosses the loopback).
     """
     if backend == "gloo":
         return [_tool("horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
                 "--network-interface", "lo", *argv]
-    if backend == "horovodrun-mpi":
-        return [_tool("horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi",
-                "--mpi-args=--oversubscribe --mca btl tcp,self --mca btl_tcp_if_include lo", *argv]
     if backend == "mpi":
         return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
                 "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
                 "--mca", "oob_tcp_if_include", "lo", "-x", "PATH", "-x", "PYTHONPATH", *argv]
-    raise ValueError(f"backend must be 'gloo', 'mpi' or 'horovodrun-mpi', got {backend!r}")
+    raise ValueError(f"backend must be 'gloo' or 'mpi', got {backend!r}")
 
 
 def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None, stream=False):
