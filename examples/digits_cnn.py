@@ -25,7 +25,6 @@ import sys
 import time
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -11,7 +11,18 @@ from horovod.torch import mpi_ops
 
 from .sparsify import spread_indices, topk_indices
 
-__all__ = ["IndexPipeline", "star_leader", "allgather_sparse_async", "scatter_add_gathered"]
+__all__ = ["IndexPipeline", "star_leader", "finite_flag", "flag_raised", "allgather_sparse_async",
+           "scatter_add_gathered"]
+
+
+def finite_flag(finite, like):
+    """One element that rides with the values: 0 if this rank's accumulator is finite, else 1."""
+    return torch.tensor([0.0 if finite else 1.0], dtype=like.dtype, device=like.device)
+
+
+def flag_raised(flag):
+    """True when an aggregated flag says some rank was non-finite (its sum > 0, or itself NaN/Inf)."""
+    return not bool(torch.isfinite(flag)) or bool(flag != 0)
 
 
 def star_leader(key_index, step, size):
@@ -46,6 +57,16 @@ class IndexPipeline:
         if buf is None or buf.numel() != k:    # first step, or k changed: any shared set is valid
             return spread_indices(acc.numel(), k, device=acc.device)
         return buf.long()
+
+    def select(self, key, acc, grad, k, leader, k_next, next_leader):
+        """(indices, values) every rank sends for ``key`` now; starts sharing the next step's set.
+
+        ``leader`` picks the set if ``sync``; ``next_leader`` picks the next one (k_next entries)."""
+        indices = self.current(key, acc, k, leader)
+        values = acc.index_select(0, indices)
+        if k_next < acc.numel():
+            self.launch_next(key, acc, grad, indices, k_next, next_leader)
+        return indices, values
 
     def launch_next(self, key, acc, grad, indices, k, leader):
         """Leader of the next step picks top-k of (acc minus what is sent now, plus this gradient).

@@ -17,7 +17,7 @@ from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
 from .memory import ResidualMemory, SlotSequence
-from .comm import IndexPipeline, star_leader
+from .comm import IndexPipeline, finite_flag, flag_raised, star_leader
 from .sparsify import k_for, scatter_dense, sq_norm_finite
 
 __all__ = ["TopKEF"]
@@ -116,14 +116,12 @@ class TopKEF(Compressor):
         step = self.steps.get(slot, 0)
         self.steps[slot] = step + 1
         acc = self.memory.compensate(slot, tensor)
-        finite = sq_norm_finite(acc)[1]
-        flag = torch.tensor([0.0 if finite else 1.0], dtype=acc.dtype, device=acc.device)
+        flag = finite_flag(sq_norm_finite(acc)[1], acc)
         n, k = acc.numel(), k_for(acc.numel(), self.ratio)
         if k == n:
             return torch.cat([acc, flag]), _Ctx(False, slot, tuple(tensor.shape), None, None)
-        indices = self.index_sets.current(slot, acc, k, self._leader(slot, step))
-        values = acc.index_select(0, indices)
-        self.index_sets.launch_next(slot, acc, tensor.reshape(-1), indices, k, self._leader(slot, step + 1))
+        indices, values = self.index_sets.select(slot, acc, tensor.reshape(-1), k, self._leader(slot, step),
+                                                 k, self._leader(slot, step + 1))
         acc.index_fill_(0, indices, 0)
         return torch.cat([values, flag]), _Ctx(False, slot, tuple(tensor.shape), indices, acc)
 
@@ -139,7 +137,7 @@ class TopKEF(Compressor):
             finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
         else:
             values, flag = tensor[:-1], tensor[-1]
-            finite = bool(torch.isfinite(flag)) and not bool(flag != 0)
+            finite = not flag_raised(flag)
             if ctx.indices is None:
                 out = values.reshape(ctx.shape)
             else:

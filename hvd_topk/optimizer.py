@@ -17,7 +17,8 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .comm import IndexPipeline, allgather_sparse_async, scatter_add_gathered, star_leader
+from .comm import (IndexPipeline, allgather_sparse_async, finite_flag, flag_raised, scatter_add_gathered,
+                   star_leader)
 from .compression import TopKEF
 from .memory import ResidualMemory
 from .sparsify import k_for, scatter_dense, sq_norm_finite, topk_indices
@@ -186,7 +187,7 @@ class _TopKState:
         dense or None if some rank was non-finite, new residual, sent indices or None for all)``."""
         t0 = time.perf_counter()
         acc_sq, finite = sq_norm_finite(acc)
-        flag = torch.tensor([0.0 if finite else 1.0], dtype=acc.dtype, device=acc.device)
+        flag = finite_flag(finite, acc)
         self.step_sq_norm += acc_sq if math.isfinite(acc_sq) else 0.0
         n = acc.numel()
         k, k_next = k_for(n, self.density(self.step)), k_for(n, self.density(self.step + 1))
@@ -195,11 +196,8 @@ class _TopKState:
             if k == n:
                 indices, values = None, acc
             else:
-                indices = self.index_sets.current(key, acc, k, self.leader_for(key, self.step))
-                values = acc.index_select(0, indices)
-                if k_next < n:
-                    self.index_sets.launch_next(key, acc, g, indices, k_next,
-                                                self.leader_for(key, self.step + 1))
+                indices, values = self.index_sets.select(key, acc, g, k, self.leader_for(key, self.step),
+                                                         k_next, self.leader_for(key, self.step + 1))
             buf = torch.cat([values.to(vdtype), flag.to(vdtype)])
             self.stats.add_sent(buf.numel() * buf.element_size(), sq_norm_finite(values)[0], acc_sq,
                                 select_s=time.perf_counter() - t0)
@@ -209,7 +207,7 @@ class _TopKState:
 
             def finish():
                 out = mpi_ops.synchronize(handle)
-                if not bool(torch.isfinite(out[-1])) or bool(out[-1] != 0):
+                if flag_raised(out[-1]):
                     return None, None, None
                 vals = out[:-1].to(acc.dtype)
                 return (vals if indices is None else scatter_dense(vals, indices, n)), residual, indices
@@ -228,7 +226,7 @@ class _TopKState:
             # Every rank's flag sits at index n (one past the end) of its set: the last entry of a
             # dense vector of n + 1 elements sums all flags.
             dense = scatter_add_gathered(handles, n + 1, acc.dtype)
-            if not bool(torch.isfinite(dense[-1])) or bool(dense[-1] != 0):
+            if flag_raised(dense[-1]):
                 return None, None, None
             dense = dense[:-1]
             if self.op == Average:
