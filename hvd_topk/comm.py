@@ -12,7 +12,21 @@ from horovod.torch import mpi_ops
 from .sparsify import spread_indices, topk_indices
 
 __all__ = ["IndexPipeline", "star_leader", "finite_flag", "flag_raised", "allgather_sparse_async",
-           "scatter_add_gathered"]
+           "scatter_add_gathered", "agree"]
+
+
+def agree(values, name, average=True):
+    """``values`` averaged over the ranks (or rank 0's with ``average=False``), as rank 0 holds them.
+
+    The broadcast makes the bits identical everywhere (an allreduce alone may round differently per
+    rank), so decisions taken from the result are the same on every rank. Collective.
+    """
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if mpi_ops.size() == 1:
+        return t.tolist()
+    if average:
+        t = mpi_ops.allreduce(t, op=mpi_ops.Sum, name=f"{name}.sum") / mpi_ops.size()
+    return mpi_ops.broadcast(t, root_rank=0, name=name).tolist()
 
 
 def finite_flag(finite, like):

@@ -17,6 +17,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
+from .auto import DEFAULT_RATIOS, MODES, AutoTuner
 from .comm import (IndexPipeline, allgather_sparse_async, finite_flag, flag_raised, scatter_add_gathered,
                    star_leader)
 from .compression import TopKEF
@@ -26,7 +27,7 @@ from .stats import StepStats
 
 __all__ = ["DistributedOptimizer", "COMMUNICATIONS", "LEADERS", "SELECTIONS"]
 
-COMMUNICATIONS = ("artopk", "allgather", "dense")
+COMMUNICATIONS = ("artopk", "allgather", "dense", "auto")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
 STATE_KEY = "hvd_topk"
@@ -52,9 +53,13 @@ class _TopKState:
     """Everything hvd_topk keeps per optimizer, per rank. Never broadcast (residuals are per rank)."""
 
     def __init__(self, names, compression, communication, selection, leader, value_dtype, warmup_steps,
-                 warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler):
+                 warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler, tuner):
         # configuration
-        self.ratio = compression.ratio
+        self.ratio = compression.ratio        # moved by the adaptive ratio (identical on all ranks)
+        self.ratio_change = None              # (first step, ratio): a decided change not yet in effect
+        self.tuner = tuner                    # AutoTuner, or None: fixed transport and ratio
+        self.clock = time.perf_counter        # step timing of the tuner (tests feed ranks other clocks)
+        self.sparse_numels = {}               # key -> numel of every compressed tensor (or the bucket)
         self.min_numel = compression.min_numel
         self.communication, self.leader, self.value_dtype = communication, leader, value_dtype
         self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
@@ -81,16 +86,27 @@ class _TopKState:
         self.bucket_out = {}                  # global selection: name -> aggregated gradient
         self.commits = []                     # state updates of this step, applied if it is finite
         self.nonfinite = False                # some gradient of this step was non-finite somewhere
+        self.last_end = None                  # clock() at the end of the previous step
 
     # -- schedules ---------------------------------------------------------------------------------
 
     def density(self, step):
+        """Density of ``step``: the warm-up schedule of the ratio in effect at that step."""
+        ratio = self.ratio_change[1] if self.ratio_change and step >= self.ratio_change[0] else self.ratio
+        return self.density_with(ratio, step)
+
+    def density_with(self, ratio, step):
         """DGC warm-up: ratio ** ((t + 1) / (W + 1)) for t < W steps (or epochs), then ratio."""
         if self.warmup_epochs and self.epoch < self.warmup_epochs:
-            return self.ratio ** ((self.epoch + 1) / (self.warmup_epochs + 1))
+            return ratio ** ((self.epoch + 1) / (self.warmup_epochs + 1))
         if step < self.warmup_steps:
-            return self.ratio ** ((step + 1) / (self.warmup_steps + 1))
-        return self.ratio
+            return ratio ** ((step + 1) / (self.warmup_steps + 1))
+        return ratio
+
+    def is_sparse(self, p):
+        """Whether p's gradient is compressed (else a plain allreduce)."""
+        return not (self.communication == "dense" or p.dim() <= 1 or p.numel() < self.min_numel
+                    or not p.is_floating_point())
 
     def leader_for(self, name, step):
         """Rank that picks the index set of ``name`` for ``step`` (identical on all ranks)."""
@@ -121,9 +137,7 @@ class _TopKState:
             u = self.velocities.get(name)
             u_new = g.clone() if u is None else u * mom.momentum + (1.0 - mom.dampening) * g
             g = g + mom.momentum * u_new if mom.nesterov else u_new
-        dense = (self.communication == "dense" or p.dim() <= 1 or p.numel() < self.min_numel
-                 or not p.is_floating_point())
-        if dense:
+        if not self.is_sparse(p):
             return self._submit_dense(p, name, g, u_new)
         return self._submit_sparse(p, name, g, u_new)
 
@@ -191,8 +205,15 @@ class _TopKState:
         self.step_sq_norm += acc_sq if math.isfinite(acc_sq) else 0.0
         n = acc.numel()
         k, k_next = k_for(n, self.density(self.step)), k_for(n, self.density(self.step + 1))
+        mode = self.communication
+        if self.tuner is not None:
+            mode = self.tuner.mode(key, mode)
+            if finite and self.tuner.wants_gains(self.step):
+                self.tuner.observe_acc(acc)
+            if mode == "dense":           # everything, through the AR-Topk path: the residual is flushed
+                k = n
         vdtype = self.value_dtype or acc.dtype
-        if self.communication == "artopk":
+        if mode in ("artopk", "dense"):
             if k == n:
                 indices, values = None, acc
             else:
@@ -264,7 +285,17 @@ class _TopKState:
         self.commits, self.nonfinite = [], False
         self.stats.skipped = nonfinite
         self.stats.end_step(density=self.density(self.step), comm_s=comm_s)
+        now = self.clock()
+        if self.tuner is not None:       # collective, at the same step on every rank
+            change = self.tuner.end_step(self, self.step, 0.0 if self.last_end is None else now - self.last_end,
+                                         comm_s)
+            if change is not None:
+                self.ratio_change = change
+            now = self.clock()           # a probe's time is not the next step's
+        self.last_end = now
         self.step += 1
+        if self.ratio_change is not None and self.step >= self.ratio_change[0]:
+            self.ratio, self.ratio_change = self.ratio_change[1], None
         if self.leader == "var" and mpi_ops.size() > 1:
             self.score = 0.9 * self.score + 0.1 * self.step_sq_norm
             self.score_handle = mpi_ops.allgather_async(torch.tensor([self.score], dtype=torch.float64),
@@ -283,7 +314,9 @@ class _TopKState:
                 "residuals": self.residuals.state_dict(),
                 "velocities": {k: v.clone() for k, v in self.velocities.items()},
                 "index_sets": self.index_sets.state_dict(), "score": self.score,
-                "scores": None if self.scores is None else self.scores.clone()}
+                "scores": None if self.scores is None else self.scores.clone(),
+                "ratio": self.ratio, "ratio_change": self.ratio_change,
+                "tuner": None if self.tuner is None else self.tuner.state_dict()}
 
     def check_loadable(self, state):
         """ValueError if ``state`` belongs to another world size or model."""
@@ -304,6 +337,20 @@ class _TopKState:
         self.index_sets.load_state_dict(state["index_sets"])
         self.score, self.scores = state["score"], state["scores"]
         self.score_handle = None
+        self.ratio = state.get("ratio", self.ratio)
+        self.ratio_change = state.get("ratio_change")
+        if self.tuner is not None and state.get("tuner") is not None:
+            self.tuner.load_state_dict(state["tuner"])
+
+    def auto_stats(self):
+        """Figures of the automatic decisions for ``stats()`` (numbers only, for TensorBoard)."""
+        out = {"ratio": self.ratio}
+        if self.tuner is not None and self.tuner.costs is not None:
+            out.update(alpha=self.tuner.costs.alpha, beta=self.tuner.costs.beta)
+            if self.tuner.auto_transport:
+                for mode in MODES:
+                    out[f"auto_{mode}"] = sum(1 for v in self.tuner.plan.values() if v == mode)
+        return out
 
 
 # -- methods of the dynamic class (Horovod's style: super(self.__class__, self)) ---------------------
@@ -316,6 +363,10 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
     self._hvd_topk = hvd_topk_state
     if not self._grad_accs and self.process_set.included():
         self._register_hooks()        # Horovod skips hooks at world size 1; we still need them
+    sparse = {self._parameter_names[q]: q.numel() for group in self.param_groups for q in group["params"]
+              if q.requires_grad and self._hvd_topk.is_sparse(q)}
+    self._hvd_topk.sparse_numels = {GLOBAL_KEY: sum(sparse.values())} if \
+        self._hvd_topk.selection == "global" and sparse else sparse
     if momentum_correction:
         for group in self.param_groups:
             mom = _Momentum(group.get("momentum", 0.0), group.get("dampening", 0.0),
@@ -389,20 +440,33 @@ def _set_epoch(self, epoch):
 
 
 def _stats(self):
-    """Figures of the last synchronized step (``hvd_topk.stats.StepStats``) and the residual norm."""
-    return dict(self._hvd_topk.stats.last(), residual_norm=self._hvd_topk.residuals.norm())
+    """Figures of the last synchronized step (``hvd_topk.stats.StepStats``), the residual norm, the
+    ratio in use and, with communication='auto', how many tensors use each transport."""
+    return dict(self._hvd_topk.stats.last(), residual_norm=self._hvd_topk.residuals.norm(),
+                **self._hvd_topk.auto_stats())
+
+
+def _auto_state(self):
+    """The automatic decisions: plan (name -> transport), ratio, probed costs and the history of
+    (step, ratio, transport counts, reason); identical on every rank. None without auto/adaptive."""
+    tuner = self._hvd_topk.tuner
+    if tuner is None:
+        return None
+    return {"plan": dict(tuner.plan), "ratio": self._hvd_topk.ratio,
+            "costs": None if tuner.costs is None else tuner.costs._asdict(), "history": list(tuner.history)}
 
 
 _OVERRIDES = {"__init__": _init, "_allreduce_grad_async": _allreduce_grad_async,
               "synchronize": _synchronize, "step": _step, "zero_grad": _zero_grad, "state_dict": _state_dict,
-              "load_state_dict": _load_state_dict, "set_epoch": _set_epoch, "stats": _stats}
+              "load_state_dict": _load_state_dict, "set_epoch": _set_epoch, "stats": _stats,
+              "auto_state": _auto_state}
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, process_set=mpi_ops.global_process_set,
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
                          communication="artopk", leader="star", value_dtype=None, grad_scaler=None,
-                         selection="layerwise"):
+                         selection="layerwise", adaptive_ratio=None, adaptive_weight=0.5, auto_every=50):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
 
     Args:
@@ -418,7 +482,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         clip_grad_norm: local clipping of each gradient tensor to norm clip_grad_norm * size**-0.5
             before accumulation (> 0), or None.
         communication: ``'artopk'`` (shared index set, allreduce of k values), ``'allgather'`` (every
-            rank's own top-k, int32 indices, scatter-add) or ``'dense'`` (plain allreduce).
+            rank's own top-k, int32 indices, scatter-add), ``'dense'`` (plain allreduce) or ``'auto'``
+            (per compressed tensor, the transport the cost model with probed alpha/beta picks;
+            see ``hvd_topk.auto``).
         leader: AR-Topk leader, ``'star'`` (round robin) or ``'var'`` (largest EWMA gradient norm).
         selection: ``'layerwise'`` (top-k of each tensor, sent as soon as its gradient is ready) or
             ``'global'`` (one top-k over all compressed tensors fused into one bucket, sent at
@@ -426,6 +492,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         value_dtype: dtype of the values on the wire (e.g. ``torch.float16``); None keeps the gradient's.
         grad_scaler: the ``torch.amp.GradScaler`` in use, if any: residuals and momentum then hold
             unscaled gradients, and an overflow on any rank skips the step on every rank.
+        adaptive_ratio: None/False (fixed ratio), True (candidates 0.1, 0.03, 0.01, 0.003, 0.001) or
+            (low, high) bounds on those candidates; the compression's ratio is where it starts.
+        adaptive_weight: exponent w of the gain in the adaptive ratio's J(c) = T(c) / G(c)**w, >= 0.
+        auto_every: steps between the automatic checks (ratio, drift), int >= 2.
 
     Returns:
         An optimizer of a subclass of ``optimizer``'s class with Horovod's ``synchronize()``,
@@ -462,6 +532,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         compression = compression.default()
     if not isinstance(compression, TopKEF):
         raise ValueError(f"compression must be TopKEF or a TopKEF instance, got {compression!r}")
+    ratios = _adaptive_ratios(adaptive_ratio, compression.ratio, communication)
+    if isinstance(adaptive_weight, bool) or not isinstance(adaptive_weight, numbers.Real) \
+            or not math.isfinite(adaptive_weight) or adaptive_weight < 0:
+        raise ValueError(f"adaptive_weight must be a finite number >= 0, got {adaptive_weight!r}")
+    if _check_count("auto_every", auto_every) < 2:
+        raise ValueError(f"auto_every must be an integer >= 2, got {auto_every!r}")
+    tuner = None
+    if communication == "auto" or ratios is not None:
+        tuner = AutoTuner(communication == "auto", ratios, weight=float(adaptive_weight), every=int(auto_every))
     has_momentum = any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
     if momentum_correction is None:
         momentum_correction = has_momentum
@@ -471,8 +550,35 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
     state = _TopKState([n for n, _ in named_parameters], compression, communication, selection, leader, value_dtype,
-                       warmup_steps, warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler)
+                       warmup_steps, warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler,
+                       tuner)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
     return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,
                gradient_predivide_factor, process_set, bool(momentum_correction))
+
+
+def _adaptive_ratios(adaptive_ratio, ratio, communication):
+    """Candidate ratios (descending) of the adaptive ratio, or None; ValueError on bad bounds."""
+    if adaptive_ratio is None or adaptive_ratio is False:
+        return None
+    if adaptive_ratio is True:
+        low, high = min(DEFAULT_RATIOS), max(DEFAULT_RATIOS)
+    elif (isinstance(adaptive_ratio, (tuple, list)) and len(adaptive_ratio) == 2
+          and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in adaptive_ratio)
+          and 0 < adaptive_ratio[0] <= adaptive_ratio[1] <= 1):
+        low, high = float(adaptive_ratio[0]), float(adaptive_ratio[1])
+    else:
+        raise ValueError("adaptive_ratio must be None, True or (low, high) with 0 < low <= high <= 1, "
+                         f"got {adaptive_ratio!r}")
+    if communication == "dense":
+        raise ValueError("adaptive_ratio needs a compressing communication ('artopk', 'allgather' or "
+                         "'auto'), got communication='dense'")
+    if not low <= ratio <= high:
+        raise ValueError(f"the compression's ratio {ratio} (where the adaptive ratio starts) must lie within "
+                         f"adaptive_ratio's bounds [{low}, {high}]")
+    ratios = sorted({c for c in DEFAULT_RATIOS if low <= c <= high} | {ratio}, reverse=True)
+    if len(ratios) < 2:
+        raise ValueError(f"adaptive_ratio bounds [{low}, {high}] leave fewer than two candidate ratios "
+                         f"(candidates: {DEFAULT_RATIOS} and the start ratio {ratio})")
+    return tuple(ratios)

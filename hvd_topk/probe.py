@@ -39,6 +39,8 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
+from .comm import agree
+
 __all__ = ["DEFAULT_SIZES", "ProbeResult", "Probe", "fit_line", "to_alpha_beta", "drift"]
 
 # 4 B .. 4 MiB in steps of x16: six sizes, 0.1-0.4 s in all on an unlimited loopback here (2 busy
@@ -258,11 +260,8 @@ class Probe:
         return statistics.median(times)
 
     def _agree(self, values, key, average=True):
-        """``values`` averaged over the ranks (or rank 0's), as rank 0 holds them: identical bits everywhere."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if average:
-            t = hvd.allreduce(t, op=hvd.Sum, name=f"{self.name}.{key}.sum") / hvd.size()
-        return hvd.broadcast(t, root_rank=0, name=f"{self.name}.{key}").tolist()
+        """``values`` averaged over the ranks (or rank 0's): identical bits everywhere."""
+        return agree(values, f"{self.name}.{key}", average)
 
 
 def _is_msg_bytes(value):

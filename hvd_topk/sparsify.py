@@ -202,6 +202,27 @@ def scatter_dense(values, indices, numel):
     return out
 
 
+def topk_energies(x, ks):
+    """Squared norm of the top-k of |x| for every k in ``ks`` (sorted ascending or not), as floats.
+
+    One selection at the largest k, then a cumulative sum of the sorted squares: the compression gain
+    ``topk_energies(acc, ks)[i] / ||acc||^2`` of every candidate k from one pass.
+
+    Example:
+        >>> topk_energies(torch.tensor([3.0, -4.0, 1.0]), [1, 2])
+        [16.0, 25.0]
+    """
+    ks = [int(k) for k in ks]
+    if not ks or min(ks) < 0 or max(ks) > x.numel():
+        raise ValueError(f"ks must be ints in [0, {x.numel()}], got {ks!r}")
+    kmax = max(ks)
+    if kmax == 0:
+        return [0.0 for _ in ks]
+    values = x.index_select(0, topk_indices(x, kmax)).double()
+    sq = values.mul_(values).sort(descending=True).values.cumsum(0)
+    return [float(sq[k - 1]) if k else 0.0 for k in ks]
+
+
 def sq_norm_finite(x):
     """(||x||^2 as a float, whether every entry of x is finite), in one fast pass.
 

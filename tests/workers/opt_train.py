@@ -5,6 +5,7 @@ optimizer's per-rank state and stats. Data depend only on (rank, step), so runs 
 """
 import argparse
 import os
+import time
 
 import horovod.torch as hvd
 import torch
@@ -40,6 +41,10 @@ p.add_argument("--resume", default=None, help="checkpoint path to resume from")
 p.add_argument("--amp", action="store_true", help="bf16 autocast + GradScaler")
 p.add_argument("--overflow-rank", type=int, default=-1)
 p.add_argument("--overflow-step", type=int, default=-1)
+p.add_argument("--adaptive-ratio", action="store_true")
+p.add_argument("--adaptive-weight", type=float, default=0.5)
+p.add_argument("--auto-every", type=int, default=50)
+p.add_argument("--skew-clock-rank", type=int, default=-1, help="this rank's step clock runs 5x fast")
 p.add_argument("--overflow-one-tensor", action="store_true",
                help="make only one tensor's gradient non-finite (a hook), instead of the loss")
 args = p.parse_args()
@@ -68,7 +73,11 @@ else:
         selection=args.selection,
         momentum_correction={"auto": None, "on": True, "off": False}[args.mc],
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
-        value_dtype=None if args.value_dtype == "none" else torch.float16)
+        value_dtype=None if args.value_dtype == "none" else torch.float16,
+        adaptive_ratio=True if args.adaptive_ratio else None, adaptive_weight=args.adaptive_weight,
+        auto_every=args.auto_every)
+    if hvd.rank() == args.skew_clock_rank:      # decisions must not depend on one rank's timings
+        opt._hvd_topk.clock = lambda: 5.0 * time.perf_counter()
 start = 0
 if args.resume:
     start = hvd_topk.load_checkpoint(args.resume, model, opt)["next_step"]
@@ -130,4 +139,5 @@ result = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}
           "grads": grads, "stats": stats, "skipped": skipped}
 if args.mode == "hvd_topk":
     result["state"] = opt.state_dict()["hvd_topk"]
+    result["auto"] = opt.auto_state()
 torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))

@@ -1,0 +1,320 @@
+"""``communication='auto'`` and the adaptive ratio of ``hvd_topk.DistributedOptimizer``.
+
+Decisions come only from numbers every rank holds bit for bit (``comm.agree``: averaged over the
+ranks, then rank 0's copy broadcast), so every rank takes the same decision at the same step even when
+their clocks disagree.
+
+**Transport per tensor (communication='auto').** After the first step the ranks probe α and β
+(``hvd_topk.probe``) and time the compression work of this machine: σ, seconds per element of one
+exact top-k selection, and π, seconds per element of one pass over the accumulator. For every
+compressed tensor (n elements, density c, N ranks) the modelled seconds are::
+
+    dense      dense_ring(M = 4n)                                 a plain allreduce, nothing selected
+    allgather  allgather(M, c)   + σ·n + π·n                      every rank selects its own top-k
+    artopk     artopk_ring(M, c) + σ·n/N + 2π·n                   the leader selects, all gather values
+
+(``hvd_topk.costmodel``; the leader role rotates, so each rank selects 1/N of the tensors.) The
+cheapest wins; ties go to dense, then artopk. The model ignores overlap with the backward pass, so
+when it does not promise a clear win (modelled plan ≥ half the modelled all-dense time) the plan is
+checked by measurement: a few steps with the plan, a few all dense, the faster median (agreed over the
+ranks) is kept. Horovod's Gloo and MPI collectives do not expose ring vs. tree, so only the ring
+formulas are used here.
+
+**Adaptive ratio.** Every ``every`` steps the ranks agree on (a) the mean measured step time T and (b)
+the compression gain G(c) = ‖top-k_c(acc)‖² / ‖acc‖² of each candidate ratio c, computed from the
+accumulators of one step (``sparsify.topk_energies``, one selection at the largest k). The step time
+of another ratio is T(c) = T − comm(now) + comm(c), with the communication and selection terms above.
+The ratio minimises::
+
+    J(c) = T(c) / G(c) ** weight          (weight 0.5 by default)
+
+i.e. the time to deliver a unit of gradient energy, with the gain discounted by ``weight`` < 1
+because error feedback delays what is not sent instead of losing it. weight = 1 trades time and
+gain one for one (favours larger ratios); weight = 0 minimises step time alone (favours the smallest
+ratio). The ratio moves only when J improves by more than 5%; a new ratio takes effect two steps
+later, so the AR-Topk index set prepared one step ahead already has the new size.
+
+**Re-deciding.** At each check the measured communication time is compared with the model's
+prediction, scaled by the calibration taken at the last probe; a drift of more than ``threshold``
+re-runs the probe and the transport choice (at most once per 4 checks).
+"""
+import logging
+import math
+import statistics
+from typing import NamedTuple
+
+import torch
+from horovod.torch import mpi_ops
+
+from . import costmodel
+from .comm import agree
+from .probe import Probe
+from .sparsify import k_for, topk_energies, topk_indices
+
+__all__ = ["MODES", "DEFAULT_RATIOS", "Costs", "tensor_seconds", "plan_transports", "plan_seconds",
+           "choose_ratio", "AutoTuner"]
+
+log = logging.getLogger("hvd_topk")
+
+MODES = ("dense", "artopk", "allgather")          # also the tie-break order
+DEFAULT_RATIOS = (0.1, 0.03, 0.01, 0.003, 0.001)
+_HYSTERESIS = 0.05                                 # J must improve by more than this to move the ratio
+_CLEAR_WIN = 0.5                                   # plan < this x all-dense (modelled): no trial needed
+
+
+class Costs(NamedTuple):
+    """What the model needs of this machine and network, identical on every rank."""
+    alpha: float            # s, latency of one message (probe)
+    beta: float             # s/byte per rank (probe)
+    select_s: float         # s per element of one exact top-k selection
+    pass_s: float           # s per element of one pass over the accumulator
+
+
+def tensor_seconds(numel, density, n_workers, costs, value_bytes=4):
+    """Modelled seconds of each transport for one tensor (module docstring). dict mode -> s."""
+    t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta,
+                          index_bytes=4, value_bytes=value_bytes)
+    select, sweep = costs.select_s * numel, costs.pass_s * numel
+    return {"dense": t["dense_ring"],
+            "allgather": t["allgather"] + select + sweep,
+            "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep}
+
+
+def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=MODES):
+    """Cheapest transport per tensor: dict name -> mode (ties: order of ``MODES``).
+
+    Args:
+        numels: dict name -> number of elements of each compressed tensor (or bucket).
+        density: fraction of elements the sparse transports send, in (0, 1].
+        n_workers: ranks.
+        costs: ``Costs``.
+        modes: the transports to choose from.
+
+    Example:
+        >>> fast = Costs(alpha=1e-5, beta=1e-10, select_s=1e-9, pass_s=1e-10)
+        >>> plan_transports({"w": 10**6}, 0.001, 4, fast)
+        {'w': 'allgather'}
+    """
+    plan = {}
+    for name, n in numels.items():
+        t = tensor_seconds(n, density, n_workers, costs, value_bytes)
+        plan[name] = min(modes, key=lambda m: (t[m], MODES.index(m)))
+    return plan
+
+
+def plan_seconds(numels, plan, density, n_workers, costs, value_bytes=4):
+    """Modelled seconds of a whole plan (sum over its tensors)."""
+    return sum(tensor_seconds(numels[name], density, n_workers, costs, value_bytes)[mode]
+               for name, mode in plan.items())
+
+
+def choose_ratio(current, step_seconds, gains, weight=0.5, hysteresis=_HYSTERESIS):
+    """The ratio minimising J(c) = T(c) / G(c)**weight; stays at ``current`` unless J improves enough.
+
+    Args:
+        current: the ratio in use (a key of both dicts).
+        step_seconds: dict ratio -> modelled step seconds T(c).
+        gains: dict ratio -> compression gain G(c) in [0, 1].
+        weight: exponent of the gain, >= 0.
+        hysteresis: relative improvement of J needed to move.
+
+    Example:
+        >>> choose_ratio(0.01, {0.1: 0.5, 0.01: 0.06, 0.001: 0.02}, {0.1: 0.6, 0.01: 0.1, 0.001: 0.01})
+        0.01
+    """
+    def cost(c):
+        g = gains[c]
+        return math.inf if g <= 0 else step_seconds[c] / g ** weight
+
+    best = min(sorted(step_seconds), key=cost)
+    return best if cost(best) < (1 - hysteresis) * cost(current) else current
+
+
+class AutoTuner:
+    """Per-optimizer state of the automatic decisions (identical on every rank).
+
+    Args:
+        auto_transport: choose the transport of every compressed tensor (communication='auto').
+        ratios: candidate ratios for the adaptive ratio, descending; None: fixed ratio.
+        weight: exponent of the gain in J.
+        every: steps between checks (ratio, drift), >= 2.
+        trial_steps: steps per arm of the plan-vs-dense trial, >= 2.
+        threshold: relative drift of communication time that triggers a new probe.
+        probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
+    """
+
+    def __init__(self, auto_transport, ratios, weight=0.5, every=50, trial_steps=6, threshold=0.5,
+                 probe=None):
+        # configuration
+        self.auto_transport, self.ratios, self.weight = auto_transport, ratios, weight
+        self.every, self.trial_steps, self.threshold = every, trial_steps, threshold
+        self.probe = probe or Probe(repeats=3)
+        # agreed measurements
+        self.costs = None                 # Costs, after the first probe
+        self.calibration = None           # measured / modelled communication at the last probe
+        self.last_probe_check = -math.inf
+        # decisions
+        self.plan = {}                    # name -> mode, in effect now (auto_transport)
+        self.trial = None                 # (plan, dense plan, first step of the plan arm)
+        self.history = []                 # (step, ratio, {mode: count}, reason), identical on all ranks
+        # this rank's measurements of the current window
+        self.step_times = []
+        self.comm_times = []
+        self.gain_sums = None             # [energy of each candidate ..., ||acc||^2] of one step
+        self.trial_times = []
+
+    # -- what the optimizer asks ------------------------------------------------------------------
+
+    def mode(self, name, fixed):
+        """Transport of ``name`` this step (``fixed`` when transports are not chosen automatically)."""
+        if not self.auto_transport:
+            return fixed
+        return self.plan.get(name, "dense")      # before the first decision: dense, exact
+
+    def wants_gains(self, step):
+        """Whether this step's accumulators feed the gain estimate (the step before a check)."""
+        return self.ratios is not None and step >= 1 and (step + 1) % self.every == 0
+
+    def observe_acc(self, acc):
+        """Add one accumulator's top-k energies for every candidate ratio (this rank)."""
+        n = acc.numel()
+        energies = topk_energies(acc, [k_for(n, c) for c in self.ratios])
+        total = float(torch.dot(acc.double(), acc.double()))
+        row = energies + [total]
+        self.gain_sums = row if self.gain_sums is None else [a + b for a, b in zip(self.gain_sums, row)]
+
+    # -- after each step (collective: every rank calls it at the same step) ------------------------
+
+    def end_step(self, state, step, step_s, comm_s):
+        """Record this rank's times of ``step``; decide at the scheduled steps. Returns a ratio change
+        (effective_step, ratio) or None."""
+        if step >= 1:
+            self.step_times.append(step_s)
+            self.comm_times.append(comm_s)
+            if self.trial is not None:
+                self.trial_times.append(step_s)
+        if self.costs is None:
+            self._probe(state, step, reason="start")
+            return None
+        if self.trial is not None:
+            self._trial_step(state, step)
+            return None
+        if (step + 1) % self.every:
+            return None
+        return self._check(state, step)
+
+    # -- decisions ---------------------------------------------------------------------------------
+
+    def _probe(self, state, step, reason):
+        res = self.probe.run()
+        select_s, pass_s = agree(self._time_compression(state), "hvd_topk.auto.costs")
+        self.costs = Costs(res.alpha, res.beta, select_s, pass_s)
+        self.calibration = None
+        self.last_probe_check = step
+        self._choose_transports(state, step, reason)
+
+    def _choose_transports(self, state, step, reason):
+        if not self.auto_transport:
+            self._record(step, state.ratio, reason)
+            return
+        numels, density, n = state.sparse_numels, state.density(step + 1), mpi_ops.size()
+        plan = plan_transports(numels, density, n, self.costs)
+        dense = {name: "dense" for name in numels}
+        self.plan = plan
+        if plan != dense and plan_seconds(numels, plan, density, n, self.costs) >= \
+                _CLEAR_WIN * plan_seconds(numels, dense, density, n, self.costs):
+            self.trial = (plan, dense, step + 1)      # not a clear win: measure it
+            self.trial_times = []
+        self._record(step, state.ratio, reason + (", trial vs dense" if self.trial else ""))
+
+    def _trial_step(self, state, step):
+        plan, dense, start = self.trial
+        if step + 1 == start + self.trial_steps:          # plan arm done: dense arm next
+            self.plan = dense
+        elif step + 1 == start + 2 * self.trial_steps:
+            arm = self.trial_steps
+            # Drop the first step of each arm (transition), compare medians agreed over the ranks.
+            t_plan, t_dense = agree([statistics.median(self.trial_times[1:arm]),
+                                     statistics.median(self.trial_times[arm + 1:])], "hvd_topk.auto.trial")
+            self.trial = None
+            self.plan = plan if t_plan <= t_dense else dense
+            self.calibration = None                    # measured against the plan now in effect
+            self._record(step, state.ratio, f"trial: plan {t_plan * 1e3:.1f} ms/step, dense {t_dense * 1e3:.1f}")
+            self.step_times, self.comm_times = [], []
+
+    def _check(self, state, step):
+        """Agree on the window's measurements; re-probe on drift; move the ratio."""
+        gains = self.gain_sums or []
+        self.gain_sums = None
+        m = len(self.ratios) if self.ratios is not None else 0
+        if len(gains) != m + (1 if m else 0):
+            gains = [0.0] * (m + (1 if m else 0))    # no compressed tensor this step: no gain data
+        agreed = agree([statistics.fmean(self.step_times or [0.0]),
+                        statistics.fmean(self.comm_times or [0.0])] + gains, "hvd_topk.auto.check")
+        step_s, comm_s, gains = agreed[0], agreed[1], agreed[2:]
+        self.step_times, self.comm_times = [], []
+        numels, n = state.sparse_numels, mpi_ops.size()
+        density = state.density(step + 1)
+        plan = self.plan if self.auto_transport else {k: state.communication for k in numels}
+        modelled = plan_seconds(numels, plan, density, n, self.costs)
+        if self.calibration is None:
+            self.calibration = comm_s / modelled if modelled > 0 else None
+        elif modelled > 0 and step - self.last_probe_check >= 4 * self.every:
+            ratio = comm_s / modelled / self.calibration
+            if abs(math.log(max(ratio, 1e-12))) > math.log1p(self.threshold):
+                self._probe(state, step, reason=f"drift x{ratio:.2f}")
+                return None
+        if self.ratios is None or not gains or gains[-1] <= 0:
+            return None
+        total = gains[-1]
+        gain = {c: gains[i] / total for i, c in enumerate(self.ratios)}
+        times = {}
+        for c in self.ratios:
+            d = state.density_with(c, step + 2)
+            plan_c = plan_transports(numels, d, n, self.costs) if self.auto_transport else \
+                {k: state.communication for k in numels}
+            times[c] = max(0.0, step_s - modelled + plan_seconds(numels, plan_c, d, n, self.costs))
+        new = choose_ratio(state.ratio, times, gain, self.weight)
+        if new == state.ratio:
+            return None
+        self._record(step, new, f"ratio {state.ratio:g} -> {new:g} (gain {gain[state.ratio]:.3f} -> "
+                                f"{gain[new]:.3f}, step {times[state.ratio] * 1e3:.1f} -> {times[new] * 1e3:.1f} ms)")
+        if self.auto_transport:
+            self.plan = plan_transports(numels, state.density_with(new, step + 2), n, self.costs)
+        self.calibration = None
+        return step + 2, new
+
+    def _record(self, step, ratio, reason):
+        counts = {m: sum(1 for v in self.plan.values() if v == m) for m in MODES} if self.auto_transport else {}
+        self.history.append((step, ratio, counts, reason))
+        if mpi_ops.rank() == 0:
+            log.info("hvd_topk auto at step %d: ratio %g, transports %s (%s); alpha %.3g s, beta %.3g s/B",
+                     step, ratio, counts, reason, self.costs.alpha, self.costs.beta)
+
+    @staticmethod
+    def _time_compression(state):
+        """This rank's (s per element of a top-k selection, s per element of one pass), from a
+        tensor as large as the largest compressed one (capped at 4M elements)."""
+        n = min(max(state.sparse_numels.values(), default=1 << 16), 1 << 22)
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+        k = k_for(n, state.ratio)
+        sel, sweep = [], []
+        for _ in range(3):
+            t0 = state.clock()
+            topk_indices(x, k)
+            t1 = state.clock()
+            x.add_(x, alpha=0.0)
+            sweep.append(state.clock() - t1)
+            sel.append(t1 - t0)
+        return [statistics.median(sel) / n, statistics.median(sweep) / n]
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self):
+        return {"plan": dict(self.plan), "costs": None if self.costs is None else tuple(self.costs),
+                "history": list(self.history)}
+
+    def load_state_dict(self, state):
+        self.plan = dict(state["plan"])
+        self.costs = None if state["costs"] is None else Costs(*state["costs"])
+        self.history = list(state["history"])

@@ -1,0 +1,142 @@
+"""communication='auto' and the adaptive ratio: pure decisions, bad input, and real 3-rank jobs."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hvd_topk
+from hvd_topk import TopKEF
+from hvd_topk.auto import Costs, choose_ratio, plan_seconds, plan_transports, tensor_seconds
+from hvd_topk.sparsify import topk_energies
+
+from conftest import assert_identical_across_ranks
+
+FAST = Costs(alpha=1e-5, beta=1e-11, select_s=1e-9, pass_s=1e-10)       # 100 GB/s-class link
+SLOW = Costs(alpha=1e-4, beta=8e-8, select_s=1e-9, pass_s=1e-10)        # 100 Mbit/s
+CPU_BOUND = Costs(alpha=1e-5, beta=1e-11, select_s=1e-7, pass_s=1e-9)   # fast link, slow selection
+
+
+def test_tensor_seconds_hand_computed():
+    # n = 1e6 fp32 (M = 4e6 B), c = 0.01, N = 4, FAST. dense ring: 6α + 1.5·Mβ.
+    t = tensor_seconds(10**6, 0.01, 4, FAST)
+    assert math.isclose(t["dense"], 6e-5 + 1.5 * 4e6 * 1e-11)
+    # allgather: α·2 + Mc·2·β·3 + σn + πn
+    assert math.isclose(t["allgather"], 2e-5 + 4e4 * 2 * 1e-11 * 3 + 1e-3 + 1e-4)
+    # artopk ring: α(6 + 2) + Mcβ(1.5 + 2) + σn/N + 2πn
+    assert math.isclose(t["artopk"], 8e-5 + 4e4 * 1e-11 * 3.5 + 1e-3 / 4 + 2e-4)
+
+
+def test_plan_picks_allgather_tiny_density_fast_link_and_artopk_high_density_slow_many():
+    assert plan_transports({"w": 10**7}, 1e-4, 4, FAST._replace(select_s=0, pass_s=0)) == {"w": "allgather"}
+    assert plan_transports({"w": 10**7}, 0.05, 64, SLOW) == {"w": "artopk"}
+    # Selection costs more than a fast link saves: dense.
+    assert plan_transports({"w": 10**6}, 0.01, 2, CPU_BOUND) == {"w": "dense"}
+    # Ties go to dense (N = 1: nothing to send, selection still costs).
+    assert plan_transports({"w": 10**6}, 0.01, 1, SLOW) == {"w": "dense"}
+
+
+def test_plan_seconds_sums_tensors():
+    numels = {"a": 10**6, "b": 10**5}
+    plan = {"a": "artopk", "b": "dense"}
+    want = tensor_seconds(10**6, 0.01, 4, SLOW)["artopk"] + tensor_seconds(10**5, 0.01, 4, SLOW)["dense"]
+    assert math.isclose(plan_seconds(numels, plan, 0.01, 4, SLOW), want)
+
+
+def test_choose_ratio_objective_and_hysteresis():
+    times = {0.1: 0.5, 0.01: 0.06, 0.001: 0.02}
+    gains = {0.1: 0.6, 0.01: 0.1, 0.001: 0.01}
+    # J(w=0.5): 0.1 -> 0.645, 0.01 -> 0.190, 0.001 -> 0.2
+    assert choose_ratio(0.1, times, gains, weight=0.5) == 0.01
+    near = {**times, 0.001: 0.0195}                              # J(0.001) = 0.195
+    assert choose_ratio(0.001, near, gains, weight=0.5) == 0.001       # 0.190 vs 0.195: within 5%, stay
+    assert choose_ratio(0.1, times, gains, weight=0.0) == 0.001        # time alone
+    assert choose_ratio(0.001, times, gains, weight=1.0) == 0.01       # J: 0.83, 0.6, 2.0
+    assert choose_ratio(0.01, times, {0.1: 0.0, 0.01: 0.0, 0.001: 0.0}) == 0.01   # no gain data
+
+
+def test_topk_energies_match_brute_force():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
+    ks = [1, 10, 100, 1000, 10_000]
+    sq = torch.sort(x.double() ** 2, descending=True).values
+    for k, e in zip(ks, topk_energies(x, ks)):
+        assert math.isclose(e, float(sq[:k].sum()), rel_tol=1e-9)
+    with pytest.raises(ValueError, match="ks must be ints"):
+        topk_energies(x, [10_001])
+
+
+def make(hvd, **kw):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"adaptive_ratio": (0.1, 0.001)}, r"adaptive_ratio must be None, True or \(low, high\)"),
+    ({"adaptive_ratio": "yes"}, r"adaptive_ratio must be None, True or \(low, high\)"),
+    ({"adaptive_ratio": (0.0, 0.1)}, r"0 < low <= high <= 1"),
+    ({"adaptive_ratio": True, "communication": "dense"}, "adaptive_ratio needs a compressing communication"),
+    ({"adaptive_ratio": (0.02, 0.1)}, r"ratio 0.01 .* must lie within adaptive_ratio's bounds"),
+    ({"adaptive_ratio": (0.01, 0.01)}, "fewer than two candidate ratios"),
+    ({"adaptive_weight": -1}, "adaptive_weight must be a finite number >= 0"),
+    ({"auto_every": 1}, "auto_every must be an integer >= 2"),
+])
+def test_bad_auto_arguments_raise(hvd, kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(hvd, **kw)
+
+
+def test_error_feedback_invariant_across_transport_switches(hvd):
+    """Σ sent + residual = Σ input while the plan moves a tensor between dense, artopk and allgather
+    (a switch to dense flushes the residual). One process: the aggregate is this rank's own sent."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32, bias=False).double()
+    base = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                        compression=TopKEF(ratio=0.05, min_numel=16), communication="auto")
+    tuner = opt._hvd_topk.tuner
+    sent_sum = torch.zeros(64 * 32, dtype=torch.float64)
+    grad_sum = torch.zeros_like(sent_sum)
+    for step, mode in enumerate(["artopk", "artopk", "allgather", "dense", "artopk", "allgather", "allgather"]):
+        tuner.plan = {"weight": mode}
+        tuner.trial = None
+        opt.zero_grad()
+        x = torch.randn(8, 64, dtype=torch.float64)
+        model(x).pow(2).sum().backward()
+        grad_sum += model.weight.grad.reshape(-1)
+        opt.synchronize()
+        sent_sum += model.weight.grad.reshape(-1)
+        with opt.skip_synchronize():
+            opt.step()
+        residual = opt._hvd_topk.residuals.residuals.get("weight")
+        held = torch.zeros_like(sent_sum) if residual is None else residual
+        torch.testing.assert_close(sent_sum + held, grad_sum, rtol=1e-12, atol=1e-12)
+        if mode == "dense":
+            assert residual is None
+        else:
+            assert (model.weight.grad != 0).sum() == math.ceil(0.05 * 64 * 32)
+
+
+def test_ratio_one_auto_reproduces_dense_horovod(run_ranks):
+    common = ["--steps", 16, "--nesterov", "--dtype", "float64"]
+    dense = run_ranks(2, "opt_train.py", "--mode", "stock", *common)
+    ours = run_ranks(2, "opt_train.py", "--communication", "auto", "--auto-every", 4, "--ratio", 1.0, *common)
+    for name, value in dense[0]["params"].items():
+        torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_three_ranks_with_skewed_clock_take_identical_decisions(run_ranks):
+    """Rank 1's step clock runs 5x fast: every decision (transport plan, ratio, history) is still the
+    same on every rank, since only agreed (allreduced, then broadcast) numbers enter them."""
+    results = run_ranks(3, "opt_train.py", "--communication", "auto", "--adaptive-ratio", "--auto-every", 5,
+                        "--steps", 60, "--width", 256, "--min-numel", 64, "--skew-clock-rank", 1, timeout=300)
+    assert_identical_across_ranks(results)
+    auto = [r["auto"] for r in results]
+    assert auto[0]["history"] and auto[0]["costs"]["beta"] > 0
+    for r in (1, 2):
+        assert auto[r] == auto[0], f"rank {r} decided differently"
+    ratios = [s["ratio"] for s in results[0]["stats"]]
+    for r in (1, 2):
+        assert [s["ratio"] for s in results[r]["stats"]] == ratios
+        assert [s["density"] for s in results[r]["stats"]] == [s["density"] for s in results[0]["stats"]]
+    assert set(ratios) <= {0.1, 0.03, 0.01, 0.003, 0.001}
