@@ -1,0 +1,297 @@
+"""What the examples share: compression and run flags, the distributed optimizer, and the run log.
+
+The examples import it as ``from common import ...`` (``python examples/x.py`` puts examples/ on
+sys.path). A training loop built on it:
+
+    p = argparse.ArgumentParser()
+    add_compression_args(p); add_run_args(p)
+    args = p.parse_args()
+    opt, comp = make_distributed_optimizer(args, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    log = RunLog(args, example="digits_cnn", model=model, model_name="cnn", dataset="digits")
+    log.start()                                   # barrier; the clock and the link counters start
+    while not log.should_stop(log.step):          # --max-steps / --time-budget, same on every rank
+        log.begin_step()
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        log.end_step(opt, loss)                   # step time, link bytes, opt.stats(), TensorBoard
+        if log.eval_due(epoch_end=...):
+            with log.paused():                    # evaluation is not training time
+                test_loss, test_acc = evaluate(model)
+            log.eval_point(log.step, epoch, test_loss, test_acc)
+    log.finish(model, {"test_loss": test_loss, "test_accuracy": test_acc})   # checks, JSON
+
+Bytes come from the loopback's kernel counters (``hvd_topk.wire.loopback_bytes``): run the job in a
+private network namespace (examples/demo.py and the benchmarks do) so that they count this job's
+traffic only, every rank's together.
+"""
+import contextlib
+import json
+import logging
+import time
+
+import horovod.torch as hvd
+import torch
+
+import hvd_topk
+import hvd_topk.stats
+from hvd_topk import TopKEF
+from hvd_topk.wire import loopback_bytes
+
+__all__ = ["add_compression_args", "add_run_args", "make_distributed_optimizer", "RunLog"]
+
+
+def add_compression_args(parser):
+    """Add the compression flags: --compression, --ratio, --min-numel and hvd_topk's options."""
+    g = parser.add_argument_group("compression")
+    g.add_argument("--compression", choices=["none", "fp16", "topkef", "hvd_topk"], default="topkef",
+                   help="none/fp16: stock Horovod; topkef: TopKEF in stock Horovod; "
+                        "hvd_topk: hvd_topk.DistributedOptimizer")
+    g.add_argument("--ratio", type=float, default=0.01, help="TopKEF: fraction of elements kept")
+    g.add_argument("--min-numel", type=int, default=1024, help="TopKEF: smaller tensors go dense")
+    g.add_argument("--communication", choices=["artopk", "allgather", "dense", "auto"], default="artopk",
+                   help="hvd_topk: transport")
+    g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
+    g.add_argument("--selection", choices=["layerwise", "global"], default="layerwise",
+                   help="hvd_topk: top-k per tensor, or over all compressed tensors at once")
+    g.add_argument("--momentum-correction", choices=["auto", "on", "off"], default="auto",
+                   help="hvd_topk: DGC momentum correction (auto: on for SGD with momentum)")
+    g.add_argument("--warmup-epochs", type=int, default=0, help="hvd_topk: DGC warm-up epochs")
+    g.add_argument("--adaptive-ratio", action="store_true",
+                   help="hvd_topk: let the optimizer adapt the ratio (--ratio is the starting point)")
+    return parser
+
+
+def add_run_args(parser):
+    """Add the run flags: --seed, --json-out, --quiet, --max-steps, --time-budget, --eval-every,
+    --tensorboard."""
+    g = parser.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json-out", default=None, help="rank 0 writes its results here")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many optimizer steps in total (0: no limit)")
+    g.add_argument("--time-budget", type=float, default=0.0,
+                   help="stop once the training wall clock passes this many seconds (0: no limit)")
+    g.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N optimizer steps (0: at each epoch's end)")
+    g.add_argument("--tensorboard", default=None, help="rank 0 writes TensorBoard events to this folder")
+    return parser
+
+
+def make_distributed_optimizer(args, model, base_opt):
+    """Wrap ``base_opt`` as ``args.compression`` says.
+
+    Args:
+        args: parsed flags of ``add_compression_args``.
+        model: the model whose ``named_parameters()`` name the gradients.
+        base_opt: the torch optimizer to wrap.
+
+    Returns:
+        (opt, comp): the distributed optimizer, and the TopKEF instance given to stock Horovod for
+        ``--compression topkef`` (it holds this rank's residuals: save it with checkpoints), else None.
+        hvd_topk.DistributedOptimizer keeps its residuals in its own ``state_dict()``.
+
+    Example:
+        >>> opt, comp = make_distributed_optimizer(args, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    """
+    named = model.named_parameters()
+    if args.compression == "hvd_topk":
+        if hvd.rank() == 0 and (args.adaptive_ratio or args.communication == "auto"):
+            logging.basicConfig(format="%(message)s")
+            logging.getLogger("hvd_topk").setLevel(logging.INFO)     # rank 0 logs each auto decision
+        opt = hvd_topk.DistributedOptimizer(
+            base_opt, named_parameters=named,
+            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel),
+            communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
+            selection=args.selection,
+            momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
+            adaptive_ratio=True if args.adaptive_ratio else None)
+        return opt, None
+    if args.adaptive_ratio or args.communication == "auto":
+        raise ValueError("--adaptive-ratio and --communication auto need --compression hvd_topk")
+    comp = None
+    if args.compression == "topkef":
+        comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel)
+        compression = comp
+    else:
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
+    return hvd.DistributedOptimizer(base_opt, named_parameters=named, compression=compression), comp
+
+
+class RunLog:
+    """Bookkeeping of one training run: step times, link bytes, the test curve, the stop rule, the JSON.
+
+    Every rank constructs it and calls every method (``should_stop`` and ``finish`` run collectives);
+    only rank 0 keeps the records and writes. Per optimizer step it records the step's wall time
+    (``begin_step`` to ``end_step``: put them around zero_grad/forward/backward/step) and the bytes
+    sent on the loopback since the previous step boundary (so traffic finishing between steps, such
+    as an asynchronous index broadcast, is counted; the lists sum to the whole training traffic).
+    Time inside ``paused()`` (evaluation, checkpoints) is left out of the training wall clock.
+
+    Args:
+        args: parsed flags of ``add_compression_args`` and ``add_run_args`` (``args.optimizer`` is
+            reported when present).
+        example: ``"digits_cnn"`` or ``"char_lm"``.
+        model: the model (for ``num_params`` and ``tensors``).
+        model_name: the model's name in the JSON, e.g. ``"cnn"``.
+        dataset: the dataset's name in the JSON, e.g. ``"digits"``.
+        non_iid: whether the ranks' data is skewed.
+        start_step: optimizer steps already done (when resuming from a checkpoint).
+
+    Example:
+        >>> log = RunLog(args, example="char_lm", model=model, model_name="gpt", dataset="shakespeare")
+    """
+
+    def __init__(self, args, example, model, model_name, dataset, non_iid=False, start_step=0):
+        self.args = args
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.step = start_step            # optimizer steps done in total, identical on all ranks
+        # what the JSON reports about the run
+        self.meta = {
+            "example": example, "compression": args.compression,
+            "optimizer": getattr(args, "optimizer", None),
+            "ratio": args.ratio if args.compression in ("topkef", "hvd_topk") else None,
+            "communication": _communication(args), "ranks": self.size,
+            "model": model_name, "dataset": dataset, "non_iid": bool(non_iid),
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "tensors": [[name, p.numel(), p.dim()] for name, p in model.named_parameters()],
+            "min_numel": args.min_numel}
+        # per-step records (rank 0)
+        self.step_times, self.link_tx, self.curve = [], [], []
+        self.last_stats = None
+        self.auto_state = None         # hvd_topk: plan, ratio and decision history (auto/adaptive)
+        # clocks and counters
+        self.t0 = self.tx0 = self.tx_prev = self.t_step = None
+        self.paused_s = 0.0
+        self.writer = None
+        if self.rank == 0 and args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter   # only when asked: it is slow to import
+            self.writer = SummaryWriter(args.tensorboard)
+
+    def start(self):
+        """Barrier, then start the training clock and the link counters."""
+        hvd.allreduce(torch.zeros(1), name="runlog.start")
+        self.t0 = time.perf_counter()
+        self.tx0 = self.tx_prev = loopback_bytes()[0]
+
+    def wall(self):
+        """Training wall clock so far: seconds since ``start()`` less the time spent ``paused()``."""
+        return time.perf_counter() - self.t0 - self.paused_s
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the enclosed time (evaluation, checkpoints) out of the training wall clock."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - t
+
+    def begin_step(self):
+        """Mark the start of an optimizer step (just before zero_grad/forward)."""
+        self.t_step = time.perf_counter()
+
+    def end_step(self, opt=None, loss=None):
+        """Mark the end of an optimizer step (after ``opt.step()`` returned): record its time and bytes.
+
+        Args:
+            opt: the optimizer; its ``stats()`` (hvd_topk) are kept and written to TensorBoard.
+            loss: the step's training loss (tensor or number) for TensorBoard, or None.
+        """
+        t = time.perf_counter()
+        tx = loopback_bytes()[0]
+        self.step += 1
+        if self.rank != 0:
+            return
+        self.step_times.append(t - self.t_step)
+        self.link_tx.append(tx - self.tx_prev)
+        self.tx_prev = tx
+        stats = opt.stats() if opt is not None and hasattr(opt, "stats") else None
+        if stats is not None:
+            self.last_stats = stats
+            self.auto_state = opt.auto_state()
+        if self.writer is not None:
+            self.writer.add_scalar("train/step_s", self.step_times[-1], self.step)
+            self.writer.add_scalar("train/link_tx_bytes", self.link_tx[-1], self.step)
+            if loss is not None:
+                self.writer.add_scalar("train/loss", float(loss), self.step)
+            if stats is not None:   # numbers only: a decision such as a chosen transport is a string
+                numbers = {k: v for k, v in stats.items() if isinstance(v, (bool, int, float))}
+                hvd_topk.stats.write_tensorboard(self.writer, numbers, self.step)
+
+    def eval_due(self, epoch_end=False):
+        """True when ``--eval-every`` says to evaluate now (every N steps; 0: at each epoch's end)."""
+        every = self.args.eval_every
+        return self.step % every == 0 if every > 0 else epoch_end
+
+    def eval_point(self, step, epoch, test_loss, test_acc=None):
+        """Append a point to the test curve, stamped with the training wall clock so far."""
+        if self.rank != 0:
+            return
+        self.curve.append({"step": step, "epoch": epoch, "wall_s": self.wall(),
+                           "test_loss": float(test_loss),
+                           "test_acc": None if test_acc is None else float(test_acc)})
+        if self.writer is not None:
+            self.writer.add_scalar("test/loss", float(test_loss), step)
+            if test_acc is not None:
+                self.writer.add_scalar("test/accuracy", float(test_acc), step)
+
+    def should_stop(self, step):
+        """True on every rank once ``step`` (steps done) reaches --max-steps or the training wall clock
+        passes --time-budget. Rank 0 decides the time budget and broadcasts it (one tiny broadcast per
+        call, only when --time-budget is set), so all ranks stop at the same step."""
+        if self.args.max_steps > 0 and step >= self.args.max_steps:
+            return True
+        if self.args.time_budget > 0:
+            over = torch.tensor([float(self.rank == 0 and self.wall() >= self.args.time_budget)])
+            return hvd.broadcast(over, root_rank=0, name="runlog.stop").item() > 0
+        return False
+
+    def finish(self, model, result):
+        """End the run: barrier, read the counters, check parameters are bit-identical on every rank,
+        merge ``result`` (e.g. test_loss, test_accuracy) into the record; rank 0 prints it as one JSON
+        line and writes --json-out. Returns the record (on every rank; the lists only on rank 0)."""
+        hvd.allreduce(torch.zeros(1), name="runlog.end")
+        wall, tx = self.wall(), loopback_bytes()[0]
+        if self.writer is not None:
+            self.writer.close()
+        # Parameters must be identical on every rank: compare against rank 0's.
+        flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+        same = bool(torch.equal(hvd.broadcast(flat, root_rank=0, name="runlog.params"), flat))
+        same = hvd.allreduce(torch.tensor([float(same)]), op=hvd.Min, name="runlog.same").item() == 1.0
+        steps = len(self.step_times)
+        record = {**self.meta, "steps": steps, "step_times_s": self.step_times,
+                  "link_tx_bytes": self.link_tx, "curve": self.curve,
+                  "test_loss": None, "test_accuracy": None, "wall_s": wall, "params_identical": same,
+                  "loopback_tx_bytes": tx - self.tx0,
+                  "bytes_per_rank_per_step": (tx - self.tx0) / self.size / max(1, steps),
+                  "hvd_topk_stats": _jsonable(self.last_stats) if self.args.compression == "hvd_topk"
+                  else None, "hvd_topk_auto": _jsonable(self.auto_state)}
+        record.update(result)
+        if self.rank == 0:
+            print(json.dumps(record), flush=True)
+            if self.args.json_out:
+                with open(self.args.json_out, "w") as f:
+                    json.dump(record, f)
+        return record
+
+
+def _communication(args):
+    """The transport in use: hvd_topk's flag; TopKEF in stock Horovod is AR-Topk; else dense."""
+    if args.compression == "hvd_topk":
+        return args.communication
+    return "artopk" if args.compression == "topkef" else "dense"
+
+
+def _jsonable(stats):
+    """A stats() dict with tensors and numpy numbers turned into plain Python values."""
+    if stats is None:
+        return None
+    if isinstance(stats, dict):
+        return {str(k): _jsonable(v) for k, v in stats.items()}
+    if isinstance(stats, (list, tuple)):
+        return [_jsonable(v) for v in stats]
+    if isinstance(stats, torch.Tensor):
+        return stats.tolist()
+    if hasattr(stats, "item"):
+        return stats.item()
+    return stats

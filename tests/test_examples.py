@@ -1,0 +1,288 @@
+"""The examples' data readers, non-IID sharding, models, and real 2-rank jobs of examples/digits_cnn.py
+(MNIST and CIFAR-10 from small synthetic files in the real formats, digits non-IID with hvd_topk, a
+time budget), checked against the JSON contract of examples/common.py."""
+import gzip
+import json
+import os
+import pathlib
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_topk.launch import run_job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, EXAMPLES)
+
+import data  # noqa: E402  (examples/data.py, found through the path above)
+
+# The keys the benchmark harness parses (examples/common.py, RunLog.finish).
+CONTRACT = {"example", "compression", "optimizer", "ratio", "communication", "ranks", "model", "dataset",
+            "non_iid", "num_params", "tensors", "min_numel", "steps", "step_times_s", "link_tx_bytes",
+            "curve", "test_loss", "test_accuracy", "wall_s", "params_identical", "bytes_per_rank_per_step",
+            "loopback_tx_bytes", "hvd_topk_stats"}
+
+
+# -- synthetic files in the real formats -------------------------------------------------------------
+def write_idx(path, array, gz=False):
+    """An IDX file of unsigned bytes (magic 0x0000 08 ndim, big-endian uint32 dims, the data)."""
+    array = np.asarray(array, dtype=np.uint8)
+    raw = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    raw += array.tobytes()
+    with (gzip.open(path, "wb") if gz else open(path, "wb")) as f:
+        f.write(raw)
+
+
+def write_mnist(folder, n_train=96, n_test=32, gz=False, seed=0):
+    """The four MNIST files (28x28) with random pixels and labels; returns the arrays written."""
+    rng = np.random.default_rng(seed)
+    arrays = {"train_images": rng.integers(0, 256, (n_train, 28, 28)),
+              "train_labels": rng.integers(0, 10, n_train),
+              "test_images": rng.integers(0, 256, (n_test, 28, 28)),
+              "test_labels": rng.integers(0, 10, n_test)}
+    os.makedirs(folder, exist_ok=True)
+    for key, name in data.MNIST_FILES.items():
+        write_idx(os.path.join(folder, name + (".gz" if gz else "")), arrays[key], gz=gz)
+    return arrays
+
+
+def write_cifar(folder, per_batch=16, seed=0):
+    """The six CIFAR-10 binary batches: records of 1 label byte + 3072 pixel bytes (R, G, B planes)."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    written = {}
+    for name in (*data.CIFAR_TRAIN, data.CIFAR_TEST):
+        labels = rng.integers(0, 10, per_batch).astype(np.uint8)
+        pixels = rng.integers(0, 256, (per_batch, 3, 32, 32)).astype(np.uint8)
+        records = np.concatenate([labels[:, None], pixels.reshape(per_batch, -1)], axis=1)
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(records.tobytes())
+        written[name] = (pixels, labels)
+    return written
+
+
+# -- readers ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gz", [False, True])
+def test_mnist_reader_round_trip(tmp_path, gz):
+    arrays = write_mnist(tmp_path, gz=gz)
+    x_train, y_train, x_test, y_test = data.load_dataset("mnist", str(tmp_path))
+    assert x_train.shape == (96, 1, 28, 28) and x_test.shape == (32, 1, 28, 28)
+    assert x_train.dtype == torch.float32 and y_train.dtype == torch.int64
+    assert torch.equal(y_train, torch.from_numpy(arrays["train_labels"]))
+    assert torch.equal(y_test, torch.from_numpy(arrays["test_labels"]))
+    pixels = x_test[:, 0] * data.MNIST_STD + data.MNIST_MEAN        # back to [0, 1]
+    torch.testing.assert_close(pixels, torch.from_numpy(arrays["test_images"] / 255.0).float(),
+                               rtol=0, atol=1e-6)
+
+
+def test_mnist_reader_finds_torchvision_layout(tmp_path):
+    write_mnist(tmp_path / "MNIST" / "raw", gz=True)
+    assert data.load_dataset("mnist", str(tmp_path))[0].shape == (96, 1, 28, 28)
+
+
+def test_idx_reader_checks_header_and_size(tmp_path):
+    path = str(tmp_path / "images")
+    write_idx(path, np.zeros((4, 28, 28)))
+    assert data.read_idx(path, ndim=3).shape == (4, 28, 28)
+    with pytest.raises(ValueError, match=r"3 dimensions \(magic 0x00000803\), expected 1"):
+        data.read_idx(path, ndim=1)                                 # an image file where labels belong
+    raw = pathlib.Path(path).read_bytes()
+    pathlib.Path(path).write_bytes(b"\x01" + raw[1:])                       # bad magic
+    with pytest.raises(ValueError, match=re.escape(path) + ": not an IDX file"):
+        data.read_idx(path)
+    pathlib.Path(path).write_bytes(raw[:-5])                                # truncated data
+    with pytest.raises(ValueError, match=re.escape(path) + ": IDX dimensions .*truncated"):
+        data.read_idx(path)
+    pathlib.Path(path).write_bytes(raw[:6])                                 # truncated header
+    with pytest.raises(ValueError, match=re.escape(path) + ": truncated IDX header"):
+        data.read_idx(path)
+    gz = str(tmp_path / "images.gz")
+    write_idx(gz, np.zeros((4, 28, 28)), gz=True)
+    raw_gz = pathlib.Path(gz).read_bytes()
+    pathlib.Path(gz).write_bytes(raw_gz[:30])                               # truncated gzip
+    with pytest.raises(ValueError, match=re.escape(gz) + ": not a valid gzip"):
+        data.read_idx(gz)
+
+
+def test_mnist_reader_checks_pairs_and_missing_files(tmp_path):
+    write_mnist(tmp_path)
+    write_idx(str(tmp_path / "t10k-labels-idx1-ubyte"), np.zeros(31))      # 32 images, 31 labels
+    with pytest.raises(ValueError, match="32 images but .* 31 labels"):
+        data.load_dataset("mnist", str(tmp_path))
+    os.remove(tmp_path / "t10k-labels-idx1-ubyte")
+    with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte: missing.*IDX"):
+        data.load_dataset("mnist", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="give --data-dir"):
+        data.load_dataset("mnist", None)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        data.load_dataset("cifar10", str(tmp_path / "nowhere"))
+
+
+def test_cifar_reader_round_trip(tmp_path):
+    written = write_cifar(tmp_path / "cifar-10-batches-bin")       # the tarball's folder is found too
+    x_train, y_train, x_test, y_test = data.load_dataset("cifar10", str(tmp_path))
+    assert x_train.shape == (80, 3, 32, 32) and x_test.shape == (16, 3, 32, 32)
+    train_labels = np.concatenate([written[n][1] for n in data.CIFAR_TRAIN])
+    assert torch.equal(y_train, torch.from_numpy(train_labels.astype(np.int64)))
+    pixels, labels = written[data.CIFAR_TEST]
+    assert torch.equal(y_test, torch.from_numpy(labels.astype(np.int64)))
+    mean = torch.tensor(data.CIFAR_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(data.CIFAR_STD).view(1, 3, 1, 1)
+    torch.testing.assert_close(x_test * std + mean, torch.from_numpy(pixels / 255.0).float(),
+                               rtol=0, atol=1e-6)                  # channel planes in R, G, B order
+
+
+def test_cifar_reader_rejects_bad_files(tmp_path):
+    write_cifar(tmp_path)
+    path = str(tmp_path / "data_batch_2.bin")
+    raw = pathlib.Path(path).read_bytes()
+    pathlib.Path(path).write_bytes(raw[:-1])                                # truncated record
+    with pytest.raises(ValueError, match=re.escape(path) + ": .* not a whole number of CIFAR-10 records"):
+        data.load_dataset("cifar10", str(tmp_path))
+    pathlib.Path(path).write_bytes(b"\x0b" + raw[1:])                       # label 11
+    with pytest.raises(ValueError, match=re.escape(path) + ": label byte 11"):
+        data.load_dataset("cifar10", str(tmp_path))
+    os.remove(path)
+    with pytest.raises(FileNotFoundError, match="data_batch_2.bin: missing.*3073-byte records"):
+        data.load_dataset("cifar10", str(tmp_path))
+
+
+def test_digits_split_is_the_published_one():
+    x_train, y_train, x_test, y_test = data.load_dataset("digits")
+    assert x_train.shape == (1438, 1, 8, 8) and x_test.shape == (359, 1, 8, 8)
+    assert 0 <= x_train.min() and x_train.max() <= 1
+
+
+# -- non-IID sharding ------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_shards_are_skewed_equal_disjoint_and_deterministic(size):
+    per_class = 100
+    labels = torch.arange(10).repeat_interleave(per_class)[torch.randperm(1000, generator=torch.Generator()
+                                                                          .manual_seed(5))]
+    parts = data.shard_partition(labels, size, shards_per_rank=2, seed=3)
+    n_shards = 2 * size
+    shard_len = 1000 // n_shards
+    assert [len(p) for p in parts] == [2 * shard_len] * size       # same steps per epoch on every rank
+    union = torch.cat(parts)
+    assert len(torch.unique(union)) == len(union) == 1000 - 1000 % n_shards   # disjoint, all but remainder
+    # Skew as documented: a shard is a contiguous run of the label-sorted order, so it holds at most
+    # ceil(shard_len / per_class) + 1 labels, and a rank at most twice that; never all 10 at these sizes.
+    bound = 2 * (-(-shard_len // per_class) + 1)
+    for part in parts:
+        hist = data.label_histogram(labels[part])
+        present = sum(c > 0 for c in hist)
+        assert present <= min(bound, 9), hist
+    again = data.shard_partition(labels, size, shards_per_rank=2, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(parts, again))
+
+
+def test_shards_of_the_digits_training_set():
+    _, y_train, _, _ = data.load_dataset("digits")
+    parts = data.shard_partition(y_train, 2)
+    hists = [data.label_histogram(y_train[p]) for p in parts]
+    assert all(sum(c > 0 for c in h) <= 6 for h in hists), hists  # each of 2 ranks misses >= 4 labels
+    assert len(parts[0]) == len(parts[1]) == 1438 // 4 * 2
+
+
+def test_shards_reject_bad_arguments():
+    with pytest.raises(ValueError, match=">= 1"):
+        data.shard_partition(torch.zeros(10, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="non-empty shards"):
+        data.shard_partition(torch.zeros(3, dtype=torch.int64), 2)
+
+
+# -- models ----------------------------------------------------------------------------------------
+def test_model_sizes_and_input_shapes():
+    import digits_cnn                                              # parses no flags when imported
+    sizes = {}
+    for name in ("cnn", "wide", "resnet18"):
+        for channels, hw in ((1, 8), (1, 28), (3, 32)):
+            torch.manual_seed(0)
+            model = digits_cnn.build_model(name, channels)
+            assert model(torch.randn(2, channels, hw, hw)).shape == (2, 10)
+            sizes[name, channels] = sum(p.numel() for p in model.parameters())
+    assert sizes["cnn", 1] == 151306                               # the original digits CNN
+    assert sizes["wide", 1] >= 5_000_000
+    assert 10_500_000 <= sizes["resnet18", 3] <= 12_000_000
+    assert [n for n, _ in digits_cnn.build_model("cnn", 1).named_parameters()] == \
+        ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias",
+         "fc2.weight", "fc2.bias"]
+
+
+# -- real 2-rank jobs ------------------------------------------------------------------------------
+def run_digits(tmp_path, *flags, timeout=150):
+    """Run examples/digits_cnn.py on 2 ranks (horovodrun, Gloo); (result JSON, job output)."""
+    out = tmp_path / "result.json"
+    argv = [sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), "--quiet", "--json-out", str(out),
+            *map(str, flags)]
+    text = run_job(2, argv, timeout=timeout, cwd=ROOT)
+    return json.loads(out.read_text()), text
+
+
+def check_contract(res, steps=None):
+    """The JSON keys of the contract and their consistency."""
+    assert CONTRACT <= set(res), CONTRACT - set(res)
+    assert res["example"] == "digits_cnn" and res["ranks"] == 2
+    assert res["params_identical"] is True
+    assert len(res["step_times_s"]) == len(res["link_tx_bytes"]) == res["steps"] > 0
+    assert steps is None or res["steps"] == steps
+    assert all(t > 0 for t in res["step_times_s"]) and all(b >= 0 for b in res["link_tx_bytes"])
+    assert res["curve"] and res["curve"][-1]["step"] == res["steps"]
+    assert set(res["curve"][0]) == {"step", "epoch", "wall_s", "test_loss", "test_acc"}
+    assert res["curve"][-1]["test_acc"] == res["test_accuracy"]
+    assert res["num_params"] == sum(n for _, n, _ in res["tensors"])
+    assert res["loopback_tx_bytes"] >= sum(res["link_tx_bytes"]) > 0
+    assert res["bytes_per_rank_per_step"] == pytest.approx(res["loopback_tx_bytes"] / 2 / res["steps"])
+
+
+def test_job_mnist_from_idx_files(tmp_path):
+    write_mnist(tmp_path / "mnist", n_train=200, gz=True)
+    res, _ = run_digits(tmp_path, "--dataset", "mnist", "--data-dir", tmp_path / "mnist", "--max-steps", 5,
+                        "--eval-every", 2, "--compression", "topkef")
+    check_contract(res, steps=5)
+    assert (res["dataset"], res["model"], res["non_iid"], res["ratio"]) == ("mnist", "cnn", False, 0.01)
+    assert [p["step"] for p in res["curve"]] == [2, 4, 5]
+    assert res["hvd_topk_stats"] is None
+
+
+def test_job_cifar10_resnet18(tmp_path):
+    write_cifar(tmp_path / "cifar")
+    res, _ = run_digits(tmp_path, "--dataset", "cifar10", "--data-dir", tmp_path / "cifar", "--model",
+                        "resnet18", "--batch-size", 8, "--max-steps", 2, "--compression", "none")
+    check_contract(res, steps=2)
+    assert (res["dataset"], res["model"], res["ratio"], res["communication"]) == \
+        ("cifar10", "resnet18", None, "dense")
+    assert 10_500_000 <= res["num_params"] <= 12_000_000
+
+
+def test_job_digits_non_iid_hvd_topk(tmp_path):
+    res, text = run_digits(tmp_path, "--non-iid", "--compression", "hvd_topk", "--max-steps", 12,
+                           "--eval-every", 5, "--tensorboard", tmp_path / "tb")
+    check_contract(res, steps=12)
+    assert res["non_iid"] is True and res["compression"] == "hvd_topk"
+    assert isinstance(res["hvd_topk_stats"], dict) and "bytes_sent" in res["hvd_topk_stats"]
+    hists = [json.loads(line.split("label histogram ")[1]) for line in text.splitlines()
+             if "label histogram" in line]
+    assert len(hists) == 2 and all(sum(c > 0 for c in h) <= 6 for h in hists), hists
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+
+
+def test_job_time_budget_stops_every_rank_at_the_same_step(tmp_path):
+    res, _ = run_digits(tmp_path, "--time-budget", 1.0, "--epochs", 100, "--compression", "topkef")
+    check_contract(res)                           # identical parameters: both ranks ran the same steps
+    assert res["steps"] < 100 * 44
+    assert res["wall_s"] >= 1.0
+
+
+def test_missing_data_files_fail_with_a_clear_message(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), "--dataset", "cifar10",
+                           "--data-dir", str(tmp_path), "--quiet"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "data_batch_1.bin: missing" in proc.stderr and "CIFAR-10 binary version" in proc.stderr
