@@ -2,28 +2,34 @@
 
 Every job (``hvd_topk.launch.run_job``, Gloo) runs inside a fresh network namespace of its own
 (``hvd_topk.wire.Namespace``) whose loopback is limited by ``tc tbf`` to 100 Mbit/s or 1 Gbit/s, or
-left unlimited (MTU 9000, tbf burst 1mb and latency 100ms by default). Rank 0 of the example reads the
-loopback's kernel counters at every step boundary, so the link bytes are every rank's traffic together
-with headers. Three parts:
+left unlimited (MTU 9000; tbf burst 1mb and latency 100ms by default). Rank 0 of the example reads the
+loopback's kernel counters at every step boundary, so the link bytes are every rank's traffic together,
+headers included. Every job gets the same HOROVOD_CYCLE_TIME (20 ms by default), dense included. Parts:
 
 - ``steps``: step time and link bytes of every mode (``MODES``) at every ratio, 2 and 4 ranks, every
-  bandwidth, on the wide digits CNN (~6.3M parameters, little compute); next to the measured bytes,
-  the bytes the scheme must send (``theoretical_bytes``) and the Horovod control plane, measured by an
-  idle job per link (``control_plane``).
+  bandwidth, on the wide digits CNN (~6.3M parameters, little compute); beside the measured bytes, the
+  bytes the scheme must send (``theoretical_bytes``) and Horovod's control plane, measured by a probe
+  job per link (``control_plane``).
 - ``tta``: time to accuracy: 4 ranks, ratio 0.01, each mode trained for the same wall-clock budget;
   test accuracy (CNN) or test loss (LM) against training wall clock (evaluation excluded).
 - ``accuracy``: final accuracy of the digits CNN and final loss of the byte-level LM on the unlimited
   link after a fixed length, ratio 0.01 against dense, IID and ``--non-iid``.
+- ``cycle`` (not in the default): the same step measurement at several HOROVOD_CYCLE_TIME values, what
+  the control plane costs in bytes and what a longer cycle costs in step time.
 
-    python -m bench.evidence                      # the full grid (~40 min on 2 cores); prints its plan
-    python -m bench.evidence --dry-run            # the planned runs and the time estimate only
+    python -m bench.evidence                      # the full grid; prints its plan and time estimate
+    python -m bench.evidence --dry-run            # the planned runs and the estimate only
     python -m bench.evidence --quick --out /tmp/ev   # the CI preset (~2 min)
     python -m bench.evidence --part steps --ranks 4 --bandwidths 100mbit --modes dense,topkef
+    python -m bench.evidence --part cycle         # control plane against HOROVOD_CYCLE_TIME
     python -m bench.evidence --report-only        # CSV, plots and report.md again from <out>/raw/
-Needs root, ``ip`` and ``tc`` (iproute2). Writes into ``--out`` (default bench/results/evidence/):
-steps.csv, control_plane.csv, tta.csv, tta_curves.csv, accuracy.csv, bytes_per_step.png,
-speedup.png, tta_<example>.png, report.md, and raw/ (each run's and probe's record and the options:
---report-only rebuilds everything from all of raw/, so parts run separately into one --out merge there).
+The full grid is 118 jobs: about an hour on an idle 2-core machine, half of it job startup (~12-16 s a
+job) and the 100 Mbit/s links' dense steps and parameter broadcasts; ``--dry-run`` prints the estimate
+by part. Needs root, ``ip`` and ``tc`` (iproute2): otherwise it exits with status 2 naming what is
+missing. Writes into ``--out`` (default bench/results/evidence/): steps.csv, cycle.csv,
+control_plane.csv, tta.csv, tta_curves.csv, accuracy.csv, bytes_per_step.png, speedup.png,
+tta_<example>.png, report.md, and raw/ (each run's and probe's record and the options: --report-only
+rebuilds everything from all of raw/, so parts run separately into one --out merge there).
 (Run bench scripts as modules from the repository root: bench/select.py would shadow the standard
 library's ``select`` module if bench/ were on sys.path.)
 """
@@ -35,6 +41,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -47,7 +54,7 @@ from dataclasses import asdict, dataclass
 from hvd_topk.sparsify import k_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join("bench", "results", "evidence")
+DEFAULT_OUT = os.path.join(ROOT, "bench", "results", "evidence")
 
 # -- the grid's vocabulary: one line adds a mode, a link or an example ---------------------------------
 # Mode label -> the example's arguments. Modes whose --compression is topkef or hvd_topk run at every
@@ -105,11 +112,11 @@ EXAMPLES = {
 
 # -- defaults: the full grid ------------------------------------------------------------------------
 FULL = dict(part="steps,tta,accuracy", ranks="2,4", bandwidths=",".join(BANDWIDTHS), modes=",".join(MODES),
-            ratios=",".join(map(str, RATIOS)), steps_example="cnn-wide", warmup=5, min_measured=4,
-            max_measured=15, step_seconds=3.0, idle_seconds=4.0,
+            ratios=",".join(map(str, RATIOS)), steps_example="cnn-wide", warmup=5, min_measured=6,
+            max_measured=15, step_seconds=4.0, idle_seconds=4.0,
             cycle_times="1,5,20,50", cycle_modes="dense,topkef,hvd_topk artopk,hvd_topk allgather", cycle_ranks=4,
             cycle_bandwidth="1gbit", cycle_ratio=0.001,
-            tta_examples="cnn-wide", tta_ranks=4, tta_ratio=0.01, tta_budget=20.0, tta_points=12,
+            tta_examples="cnn-wide", tta_ranks=4, tta_ratio=0.01, tta_budget=30.0, tta_points=12,
             tta_modes="dense,fp16,topkef,hvd_topk allgather,hvd_topk artopk,hvd_topk auto",
             accuracy_examples="cnn,lm", accuracy_ranks=2, accuracy_ratio=0.01,
             accuracy_modes="dense,topkef,hvd_topk allgather,hvd_topk artopk",
@@ -402,9 +409,10 @@ def execute(run, o, unsupported):
         t0 = time.perf_counter()
         try:
             with namespace(rate, o.burst) as ns:
-                row["command"] = " ".join(ns.prefix + launch_command(run.ranks, argv))
-                run_job(run.ranks, argv, timeout=max(180, int(4 * run.est_s)), prefix=ns.prefix,
-                        env=job_env(run.cycle_ms), cwd=ROOT)
+                env = job_env(run.cycle_ms)
+                row["command"] = shlex.join([*(f"{k}={v}" for k, v in env.items()), *ns.prefix,
+                                             *launch_command(run.ranks, argv)])
+                run_job(run.ranks, argv, timeout=max(300, int(6 * run.est_s)), prefix=ns.prefix, env=env, cwd=ROOT)
             with open(out) as f:
                 record = json.load(f)
         except JobFailed as e:
@@ -514,9 +522,7 @@ def steps_row(row, record, o, cp):
                    excess_bytes=row["link_bytes"] - theo)
     rate = cp.get((record["ranks"], row["bandwidth"], row["cycle_ms"]))
     if rate is not None:
-        row.update(cp_idle_bytes_per_s_per_rank=rate, cp_bytes=rate * row["step_s"])
-        if row.get("theoretical_bytes"):
-            row["ratio_less_cp"] = (row["link_bytes"] - row["cp_bytes"]) / row["theoretical_bytes"]
+        row.update(cp_idle_bytes_per_s_per_rank=rate, cp_bound_bytes=rate * row["step_s"])
     return row
 
 
@@ -563,7 +569,7 @@ STEPS_COLUMNS = ["run_id", "status", "example", "model", "label", "compression",
                  "ratio", "ranks", "bandwidth", "burst", "cycle_ms", "num_params", "steps", "measured_steps",
                  "step_s", "step_s_p10", "step_s_p90", "speedup_vs_dense", "speedup_vs_fp16", "link_bytes",
                  "theoretical_bytes", "measured_over_theoretical", "excess_bytes", "cp_idle_bytes_per_s_per_rank",
-                 "cp_bytes", "ratio_less_cp", "bytes_vs_dense", "bytes_vs_fp16", "params_identical",
+                 "cp_bound_bytes", "bytes_vs_dense", "bytes_vs_fp16", "params_identical",
                  "test_accuracy", "test_loss", "wall_s", "job_s", "est_s", "command", "error"]
 CP_COLUMNS = ["ranks", "bandwidth", "cycle_ms", "idle_s", "measured_s", "tx_bytes", "bytes_per_s",
               "bytes_per_s_per_rank", "allreduce_op_bytes", "broadcast_op_bytes", "status", "error"]
@@ -588,6 +594,13 @@ def _mode_name(r):
     return r["label"] + ("" if r.get("ratio") in (None, "") else f" {r['ratio']:g}")
 
 
+_STYLE = {0.1: ":", 0.01: "-", 0.001: "--"}     # line style by ratio; colour by mode
+
+
+def _color(label):
+    return f"C{list(MODES).index(label) % 10}"
+
+
 def plot_all(out, steps, tta, curves):
     """bytes_per_step.png, speedup.png and tta_<example>.png (only those with data); returns the names."""
     import matplotlib
@@ -598,7 +611,8 @@ def plot_all(out, steps, tta, curves):
     ok = [r for r in steps if r["status"] == "ok" and "link_bytes" in r]
     ranks_list = sorted({r["ranks"] for r in ok})
     if ok:
-        fig, axes = plt.subplots(1, len(ranks_list), figsize=(5.5 * len(ranks_list), 4.2), squeeze=False)
+        width_in = max(5.5, 0.5 * len({_mode_name(r) for r in ok}))
+        fig, axes = plt.subplots(1, len(ranks_list), figsize=(width_in * len(ranks_list), 4.5), squeeze=False)
         for ax, ranks in zip(axes[0], ranks_list):
             rs = [r for r in ok if r["ranks"] == ranks]
             names = list(dict.fromkeys(_mode_name(r) for r in rs))
@@ -628,17 +642,22 @@ def plot_all(out, steps, tta, curves):
         plt.close(fig)
         written.append("bytes_per_step.png")
 
+    fast = [r for r in ok if "speedup_vs_dense" in r]
+    if fast:
+        ranks_list = sorted({r["ranks"] for r in fast})
         fig, axes = plt.subplots(1, len(ranks_list), figsize=(5.5 * len(ranks_list), 4.2), squeeze=False)
         for ax, ranks in zip(axes[0], ranks_list):
-            rs = [r for r in ok if r["ranks"] == ranks and "speedup_vs_dense" in r]
+            rs = [r for r in fast if r["ranks"] == ranks]
             bws = [b for b in BANDWIDTHS if any(r["bandwidth"] == b for r in rs)]
             for name in dict.fromkeys(_mode_name(r) for r in rs):
-                pts = [(bws.index(r["bandwidth"]), r["speedup_vs_dense"]) for r in rs if _mode_name(r) == name]
-                pts.sort()
-                ax.plot(*zip(*pts), marker="o", label=name)
+                mine = [r for r in rs if _mode_name(r) == name]
+                pts = sorted((bws.index(r["bandwidth"]), r["speedup_vs_dense"]) for r in mine)
+                ax.plot(*zip(*pts), marker="o", label=name, color=_color(mine[0]["label"]),
+                        linestyle=_STYLE.get(mine[0].get("ratio"), "-"))
             ax.axhline(1.0, color="gray", lw=0.8)
             ax.set_xticks(range(len(bws)))
             ax.set_xticklabels(bws)
+            ax.set_xlabel("link")
             ax.set_yscale("log")
             ax.set_ylabel("step-time speed-up over dense")
             ax.set_title(f"{ranks} ranks")
@@ -659,7 +678,7 @@ def plot_all(out, steps, tta, curves):
                     continue
                 pts = [(c["wall_s"], c[metric]) for c in curves if c["run_id"] == r["run_id"]]
                 if pts:
-                    ax.plot(*zip(*pts), marker=".", label=_mode_name(r))
+                    ax.plot(*zip(*pts), marker=".", label=_mode_name(r), color=_color(r["label"]))
             ax.set_title(f"{example}, {rs[0]['ranks']} ranks, {bw}")
             ax.set_xlabel("training wall clock (s)")
             ax.set_ylabel("test accuracy" if metric == "test_acc" else "test loss (nats/byte)")
@@ -740,6 +759,20 @@ def machine_facts():
             f"- Python {platform.python_version()}, torch {torch.__version__}, horovod {horovod.__version__} (Gloo)"]
 
 
+def _cycle_summary(cycle):
+    """One line per mode: its excess bytes at the shortest and the longest cycle time of the cycle part."""
+    out = []
+    ok = [r for r in cycle if r["status"] == "ok" and r.get("excess_bytes") is not None]
+    for name in dict.fromkeys(_mode_name(r) for r in ok):
+        rs = sorted((r for r in ok if _mode_name(r) == name), key=lambda r: float(r["cycle_ms"]))
+        if len(rs) > 1:
+            lo, hi = rs[0], rs[-1]
+            out.append(f"- {name}: excess {lo['excess_bytes']:,.0f} B at {lo['cycle_ms']} ms, "
+                       f"{hi['excess_bytes']:,.0f} B at {hi['cycle_ms']} ms; step {lo['step_s'] * 1e3:,.0f} ms "
+                       f"vs {hi['step_s'] * 1e3:,.0f} ms")
+    return out
+
+
 def notes(o):
     """The report's notes: what the ratio includes, and why the settings are what they are."""
     return [
@@ -748,21 +781,32 @@ def notes(o):
         "rank's together, divided by steps and ranks: payload, TCP/IP headers and ACKs, Gloo's per-message "
         "preambles and its 'send ready' / 'recv ready' notifications, and Horovod's control plane (a coordination "
         "allreduce every cycle, also while the step computes). Theoretical: the payload the scheme must move "
-        "(`bench.evidence.theoretical_bytes`). The control-plane column is the idle rate of the same ranks and "
-        "link times the step time: a measured rate, but an estimate for the step, since a busy step runs fewer, "
-        "longer cycles; 'ratio less control plane' in steps.csv subtracts it. The idle rate also depends on the "
-        "machine's load (cycles that start late are fewer).",
-        "- **Where the overhead comes from.** The control plane grows with the step time (cycles per step), "
-        "and every collective has a fixed cost in messages (table above); the layer-wise transports run "
-        "allreduces (fused per cycle) and one index broadcast per compressed tensor per step. At ratio 0.001 "
-        "the payload of this 6.3M-parameter model is tens of KB per rank per step, the same order as those "
-        "fixed costs. A longer HOROVOD_CYCLE_TIME lowers the control plane (part `cycle`); fewer, larger "
-        "collectives (hvd_topk's `--selection global` sends one fused transport per step) would lower the "
-        "fixed part. Neither changes what the scheme itself must send.",
+        "(`bench.evidence.theoretical_bytes`). excess = measured - theoretical: all of the overhead, measured. "
+        "control plane <=: the probe's idle rate for the same ranks and link times the step time, an upper "
+        "bound on the cycles' share: idle ranks cycle at the full rate, ranks busy computing (more ranks than "
+        "cores) cycle far less often. Part `cycle` shows how much of the excess follows the cycle time.",
+        "- **Theoretical bytes per rank per step** (Horovod 0.28.1's Gloo: ring allreduce, binomial-tree "
+        "broadcast, ring allgatherv; see `theoretical_bytes`), N ranks, k = max(1, ceil(ratio * numel)) per "
+        "compressed tensor, dense tensors 2(N-1)/N * 4 * numel: dense 2(N-1)/N * 4 * numel; fp16 2(N-1)/N * 2 "
+        "* numel; topkef and artopk 2(N-1)/N * 4(k+1) + (N-1)/N * 4k (values + flag allreduced, the leader's "
+        "int32 index set broadcast: (N-1) * 4k on the link, averaged over the ranks); allgather (N-1) * 8(k+1).",
+        "- **Step windows.** Each step's bytes are counted from the previous step's end to its own end on "
+        "rank 0, so an asynchronous transfer (the next step's index broadcast) can land in a neighbouring "
+        "window: the measured sum is off by up to about one step's broadcast, a share 1/M of it over M "
+        "measured steps (values slightly under 1.0 at ratio 0.1 come from this).",
+        "- **Where the overhead comes from.** Every collective has a fixed cost in messages (probe table: a "
+        "small broadcast costs a few KB over all ranks, more than a small allreduce), and the layer-wise "
+        "transports run allreduces (fused per cycle) and one index broadcast per compressed tensor per step; "
+        "the control plane adds a little per cycle. At ratio 0.001 the payload of this 6.3M-parameter model is "
+        "tens of KB per rank per step, the same order as those fixed costs, so the ratio stays well above "
+        "1.1 there; at 0.1 and 0.01 the payload dwarfs them. Fewer, larger collectives (e.g. one index "
+        "broadcast per step for all tensors, or hvd_topk's `--selection global`) would lower the fixed part; "
+        "none of this changes what the scheme itself must send.",
         f"- **HOROVOD_CYCLE_TIME={o.cycle_time_ms} ms.** Horovod 0.28.1 defaults to 1 ms. The grid sets one value "
         "for every job, dense and fp16 included: a ready tensor waits at most one cycle longer, which costs a "
-        "network-bound step little, while the control plane shrinks in proportion (`--part cycle` measures "
-        "both).",
+        "network-bound step little, and the control plane shrinks in proportion. How much that matters depends "
+        "on the machine: cycles run while ranks wait (for the link or for a core), so a loaded machine showed "
+        "more of them than an idle one (`--part cycle` measures bytes and step time side by side).",
         "- **Allgather at 4 ranks, ratio 0.01.** Its theoretical bytes over dense are N(k+1)/numel = 0.04 = 1/25 "
         "before any overhead, so 'at most 1/25 of dense' can only hold if dense carried more overhead than it.",
         "- **TopKEF vs hvd_topk.** TopKEF (stock Horovod's Compressor) compresses every tensor of at least "
@@ -811,24 +855,27 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
     L += ["", "## Step time and link bytes", "",
           "bytes: per rank per step. theoretical: what the scheme must send (`theoretical_bytes`, formulas "
           "verified in Horovod 0.28.1 / Gloo). ratio = measured / theoretical: it includes TCP/IP headers and "
-          "ACKs, Gloo's per-message preamble, Horovod's control plane during the step, and everything else the "
-          "job sent in the measured steps. control plane: the idle rate of the same link and ranks times the "
-          "step time (an estimate from a measurement: during a busy step fewer, longer cycles run).", ""]
+          "ACKs, Gloo's per-message preamble and notifications, Horovod's control plane during the step, and "
+          "everything else the job sent in the measured steps. excess = measured - theoretical. control plane <=: "
+          "the probe's idle rate times the step time, an upper bound on the control plane's share (see the "
+          "notes).", ""]
     for ranks in sorted({r["ranks"] for r in steps}):
         for bw in [b for b in BANDWIDTHS if any(r["bandwidth"] == b and r["ranks"] == ranks for r in steps)]:
             rs = [r for r in steps if r["ranks"] == ranks and r["bandwidth"] == bw]
             L += [f"### {ranks} ranks, {bw}", "",
-                  "| mode | step ms | vs dense | vs fp16 | link bytes | theoretical | ratio | control plane | "
-                  "bytes vs dense | same params |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+                  "| mode | step ms | vs dense | vs fp16 | link bytes | theoretical | ratio | excess | "
+                  "control plane <= | bytes vs dense | same params |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
             for r in rs:
                 if r["status"] != "ok":
-                    L.append(f"| {_mode_name(r)} | {r['status']}: {r['error'][:120]} | | | | | | | | |")
+                    L.append(f"| {_mode_name(r)} | {r['status']}: {r['error'][:120]} | | | | | | | | | |")
                     continue
                 L.append(f"| {_mode_name(r)} | {r['step_s'] * 1e3:,.1f} | "
                          f"{_fmt(r.get('speedup_vs_dense'), '.2f', 'x')} | "
                          f"{_fmt(r.get('speedup_vs_fp16'), '.2f', 'x')} | {_fmt(r['link_bytes'])} | "
                          f"{_fmt(r.get('theoretical_bytes'))} | {_fmt(r.get('measured_over_theoretical'), '.3f')} | "
-                         f"{_fmt(r.get('cp_bytes'))} | {_fmt(r.get('bytes_vs_dense'), '.4f')} | "
+                         f"{_fmt(r.get('excess_bytes'))} | {_fmt(r.get('cp_bound_bytes'))} | "
+                         f"{_fmt(r.get('bytes_vs_dense'), '.4f')} | "
                          f"{'yes' if r.get('params_identical') else 'NO'} |")
             L.append("")
     if cycle:
@@ -836,19 +883,20 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
               "The same runs at several cycle times (the cycle part): a longer cycle means fewer "
               "coordination rounds per second (fewer control-plane bytes) but a longer wait before a ready "
               "tensor is sent.", "",
-              "| cycle ms | mode | ranks | link | step ms | link bytes | theoretical | ratio | control plane |",
-              "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+              "| cycle ms | mode | ranks | link | step ms | link bytes | theoretical | ratio | excess | "
+              "control plane <= |", "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in cycle:
             if r["status"] != "ok":
                 L.append(f"| {r['cycle_ms']} | {_mode_name(r)} | {r['ranks']} | {r['bandwidth']} | "
-                         f"{r['status']}: {r['error'][:100]} | | | | |")
+                         f"{r['status']}: {r['error'][:100]} | | | | | |")
                 continue
             L.append(f"| {r['cycle_ms']} | {_mode_name(r)} | {r['ranks']} | {r['bandwidth']} | "
                      f"{r['step_s'] * 1e3:,.1f} | {_fmt(r['link_bytes'])} | {_fmt(r.get('theoretical_bytes'))} | "
-                     f"{_fmt(r.get('measured_over_theoretical'), '.3f')} | {_fmt(r.get('cp_bytes'))} |")
-        L.append("")
-    if "bytes_per_step.png" in pngs:
-        L += ["![bytes per step](bytes_per_step.png)", "", "![speed-up over dense](speedup.png)", ""]
+                     f"{_fmt(r.get('measured_over_theoretical'), '.3f')} | {_fmt(r.get('excess_bytes'))} | "
+                     f"{_fmt(r.get('cp_bound_bytes'))} |")
+        L += [""] + _cycle_summary(cycle) + [""]
+    L += [f"![{title}]({png})\n" for png, title in (("bytes_per_step.png", "bytes per step"),
+                                                    ("speedup.png", "speed-up over dense")) if png in pngs]
     if tta:
         L += ["## Time to accuracy", "",
               f"Every mode trains for the same wall-clock budget ({o.tta_budget:g} s of training; evaluation "
@@ -1007,7 +1055,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="the CI preset: 2 ranks, 1gbit, 4 modes, short")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs and the estimate only")
     p.add_argument("--report-only", action="store_true", help="rebuild CSV, plots and report from <out>/raw")
-    p.add_argument("--idle-worker", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--idle-worker", type=float, help=argparse.SUPPRESS)   # probe job's ranks; --out: JSON
     o = p.parse_args(argv)
     if o.idle_worker is not None:
         return o
@@ -1039,6 +1087,10 @@ def parse_args(argv):
             p.error(f"--tta-target has no entry for {ex}")
     if o.warmup < 0 or o.min_measured < 1 or o.max_measured < o.min_measured:
         p.error("need --warmup >= 0 and 1 <= --min-measured <= --max-measured")
+    if min(o.ranks + [o.tta_ranks, o.accuracy_ranks, o.cycle_ranks]) < 2:
+        p.error("rank counts must be >= 2 (one rank sends nothing)")
+    if not all(0 < r <= 1 for r in o.ratios + [o.tta_ratio, o.accuracy_ratio, o.cycle_ratio]):
+        p.error("ratios must be in (0, 1]")
     return o
 
 
@@ -1052,6 +1104,11 @@ def _names(text, allowed, flag):
     return names
 
 
+def _probe_key(probe):
+    ranks, bandwidth, cycle_ms = probe
+    return ranks, list(BANDWIDTHS).index(bandwidth), float(cycle_ms)
+
+
 # Options the report reads; saved with the raw records so that --report-only reproduces the report.
 REPORT_OPTIONS = ("burst", "cycle_time_ms", "warmup", "min_measured", "max_measured", "tta_budget", "tta_target")
 
@@ -1062,9 +1119,13 @@ def main(argv=None, euid=None, which=shutil.which):
     if o.idle_worker is not None:
         idle_worker(o.idle_worker, o.out)
         return 0
-    command = "python -m bench.evidence " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", "-m", "bench.evidence", *(sys.argv[1:] if argv is None else argv)])
     raw = os.path.join(o.out, "raw")
     if o.report_only:                 # the settings and command of the run that wrote raw/
+        if not os.path.exists(os.path.join(raw, "options.json")):
+            print(f"evidence: --report-only: no {os.path.join(raw, 'options.json')} (run the grid first)",
+                  file=sys.stderr)
+            return 2
         with open(os.path.join(raw, "options.json")) as f:
             saved = json.load(f)
         command = saved.pop("command")
@@ -1079,11 +1140,12 @@ def main(argv=None, euid=None, which=shutil.which):
             elif "probe" in saved:
                 cp.append(saved["probe"])
         results.sort(key=lambda x: x[0]["seq"])
-        cp.sort(key=lambda r: (r["ranks"], list(BANDWIDTHS).index(r["bandwidth"]), float(r["cycle_ms"])))
+        cp.sort(key=lambda r: _probe_key((r["ranks"], r["bandwidth"], r["cycle_ms"])))
         print("\n".join(build_outputs(o, results, cp, command)))
         return 0
     runs = plan(o)
-    probes = sorted({(r.ranks, r.bandwidth, r.cycle_ms) for r in runs if r.part in ("steps", "cycle")})
+    probes = sorted({(r.ranks, r.bandwidth, r.cycle_ms) for r in runs if r.part in ("steps", "cycle")},
+                    key=_probe_key)
     print(estimate_text(runs, probes, o), flush=True)
     if o.dry_run:
         for r in runs:
