@@ -590,6 +590,11 @@ def write_csv(path, rows, columns):
                         for c in columns])
 
 
+def _failed_row(lead, r, cells, limit=100):
+    """Markdown row of a run that did not finish: ``lead`` cells, its status and error, then empty
+    cells up to ``cells`` columns."""
+    return "| " + " | ".join([*lead, f"{r['status']}: {r['error'][:limit]}"]) + " |" + " |" * (cells - len(lead) - 1)
+
 def _mode_name(r):
     return r["label"] + ("" if r.get("ratio") in (None, "") else f" {r['ratio']:g}")
 
@@ -868,7 +873,7 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
             for r in rs:
                 if r["status"] != "ok":
-                    L.append(f"| {_mode_name(r)} | {r['status']}: {r['error'][:120]} | | | | | | | | | |")
+                    L.append(_failed_row([_mode_name(r)], r, 11, limit=120))
                     continue
                 L.append(f"| {_mode_name(r)} | {r['step_s'] * 1e3:,.1f} | "
                          f"{_fmt(r.get('speedup_vs_dense'), '.2f', 'x')} | "
@@ -887,8 +892,7 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
               "control plane <= |", "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in cycle:
             if r["status"] != "ok":
-                L.append(f"| {r['cycle_ms']} | {_mode_name(r)} | {r['ranks']} | {r['bandwidth']} | "
-                         f"{r['status']}: {r['error'][:100]} | | | | | |")
+                L.append(_failed_row([str(r["cycle_ms"]), _mode_name(r), str(r["ranks"]), r["bandwidth"]], r, 10))
                 continue
             L.append(f"| {r['cycle_ms']} | {_mode_name(r)} | {r['ranks']} | {r['bandwidth']} | "
                      f"{r['step_s'] * 1e3:,.1f} | {_fmt(r['link_bytes'])} | {_fmt(r.get('theoretical_bytes'))} | "
@@ -905,8 +909,7 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
               "|---|---|---|---:|---:|---:|:---:|"]
         for r in tta:
             if r["status"] != "ok":
-                L.append(f"| {r['example']} | {r['bandwidth']} | {_mode_name(r)} | "
-                         f"{r['status']}: {r['error'][:100]} | | | |")
+                L.append(_failed_row([r["example"], r["bandwidth"], _mode_name(r)], r, 7))
                 continue
             L.append(f"| {r['example']} | {r['bandwidth']} | {_mode_name(r)} | {r['steps']} | "
                      f"{_fmt(r.get('final_metric'), '.4f')} | "
@@ -920,8 +923,7 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
               "|---|---|---|---:|---:|---:|---:|:---:|"]
         for r in acc:
             if r["status"] != "ok":
-                L.append(f"| {r['example']} | {'non-IID' if r['non_iid'] else 'IID'} | {_mode_name(r)} | "
-                         f"{r['status']}: {r['error'][:100]} | | | | |")
+                L.append(_failed_row([r["example"], "non-IID" if r["non_iid"] else "IID", _mode_name(r)], r, 8))
                 continue
             metric = EXAMPLES[r["example"]].metric
             vs = r.get("vs_dense")
