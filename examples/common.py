@@ -55,6 +55,8 @@ def add_compression_args(parser):
     g.add_argument("--momentum-correction", choices=["auto", "on", "off"], default="auto",
                    help="hvd_topk: DGC momentum correction (auto: on for SGD with momentum)")
     g.add_argument("--warmup-epochs", type=int, default=0, help="hvd_topk: DGC warm-up epochs")
+    g.add_argument("--dense-steps", type=int, default=0,
+                   help="hvd_topk: send the first N steps dense (a warm-up stage for Adam's statistics)")
     g.add_argument("--adaptive-ratio", action="store_true",
                    help="hvd_topk: let the optimizer adapt the ratio (--ratio is the starting point)")
     return parser
@@ -102,12 +104,12 @@ def make_distributed_optimizer(args, model, base_opt):
             base_opt, named_parameters=named,
             compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel),
             communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
-            selection=args.selection,
+            dense_steps=args.dense_steps, selection=args.selection,
             momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
             adaptive_ratio=True if args.adaptive_ratio else None)
         return opt, None
-    if args.adaptive_ratio or args.communication == "auto":
-        raise ValueError("--adaptive-ratio and --communication auto need --compression hvd_topk")
+    if args.adaptive_ratio or args.communication == "auto" or args.dense_steps:
+        raise ValueError("--adaptive-ratio, --communication auto and --dense-steps need --compression hvd_topk")
     comp = None
     if args.compression == "topkef":
         comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel)

@@ -53,7 +53,7 @@ class _TopKState:
     """Everything hvd_topk keeps per optimizer, per rank. Never broadcast (residuals are per rank)."""
 
     def __init__(self, names, compression, communication, selection, leader, value_dtype, warmup_steps,
-                 warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler, tuner):
+                 warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler, tuner, dense_steps=0):
         # configuration
         self.ratio = compression.ratio        # moved by the adaptive ratio (identical on all ranks)
         self.ratio_change = None              # (first step, ratio): a decided change not yet in effect
@@ -63,6 +63,7 @@ class _TopKState:
         self.min_numel = compression.min_numel
         self.communication, self.leader, self.value_dtype = communication, leader, value_dtype
         self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
+        self.dense_steps = dense_steps        # the first steps send everything (density 1)
         self.clip_grad_norm, self.grad_scaler = clip_grad_norm, grad_scaler
         self.op = op
         self.prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
@@ -96,11 +97,14 @@ class _TopKState:
         return self.density_with(ratio, step)
 
     def density_with(self, ratio, step):
-        """DGC warm-up: ratio ** ((t + 1) / (W + 1)) for t < W steps (or epochs), then ratio."""
+        """Density 1 for the first D dense steps; then the DGC warm-up, ratio ** ((t + 1) / (W + 1))
+        for t < W steps after them (or for the first W epochs); then ratio."""
+        if step < self.dense_steps:
+            return 1.0
         if self.warmup_epochs and self.epoch < self.warmup_epochs:
             return ratio ** ((self.epoch + 1) / (self.warmup_epochs + 1))
-        if step < self.warmup_steps:
-            return ratio ** ((step + 1) / (self.warmup_steps + 1))
+        if step - self.dense_steps < self.warmup_steps:
+            return ratio ** ((step - self.dense_steps + 1) / (self.warmup_steps + 1))
         return ratio
 
     def is_sparse(self, p):
@@ -212,6 +216,8 @@ class _TopKState:
                 self.tuner.observe_acc(acc)
             if mode == "dense":           # everything, through the AR-Topk path: the residual is flushed
                 k = n
+        if k == n:                        # density 1 (dense steps, ratio 1.0): a plain allreduce is cheapest
+            mode = "dense"
         vdtype = self.value_dtype or acc.dtype
         if mode in ("artopk", "dense"):
             if k == n:
@@ -286,7 +292,9 @@ class _TopKState:
         self.stats.skipped = nonfinite
         self.stats.end_step(density=self.density(self.step), comm_s=comm_s)
         now = self.clock()
-        if self.tuner is not None:       # collective, at the same step on every rank
+        # collective, at the same step on every rank; from the last dense step on (the probe then
+        # plans for the density that follows)
+        if self.tuner is not None and self.step + 1 >= self.dense_steps:
             change = self.tuner.end_step(self, self.step, 0.0 if self.last_end is None else now - self.last_end,
                                          comm_s)
             if change is not None:
@@ -466,7 +474,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                          op=Average, gradient_predivide_factor=1.0, process_set=mpi_ops.global_process_set,
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
                          communication="artopk", leader="star", value_dtype=None, grad_scaler=None,
-                         selection="layerwise", adaptive_ratio=None, adaptive_weight=0.5, auto_every=50):
+                         selection="layerwise", adaptive_ratio=None, adaptive_weight=0.5, auto_every=50,
+                         dense_steps=0):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
 
     Args:
@@ -479,6 +488,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             momentum > 0 in some group; True with no momentum raises ValueError.
         warmup_steps: DGC warm-up over this many steps, density ratio ** ((t+1)/(W+1)) then ratio.
         warmup_epochs: the same schedule per epoch; call ``opt.set_epoch(epoch)`` at each epoch start.
+        dense_steps: the first dense_steps steps send every element (density 1, a plain allreduce of
+            the gradient: dense Horovod); the warm-up, if any, starts after them. For Adam-type
+            optimizers, whose per-element statistics are set in the first steps (as 1-bit Adam's
+            dense warm-up stage).
         clip_grad_norm: local clipping of each gradient tensor to norm clip_grad_norm * size**-0.5
             before accumulation (> 0), or None.
         communication: ``'artopk'`` (shared index set, allreduce of k values), ``'allgather'`` (every
@@ -514,6 +527,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         raise ValueError(f"leader must be one of {LEADERS}, got {leader!r}")
     warmup_steps = _check_count("warmup_steps", warmup_steps)
     warmup_epochs = _check_count("warmup_epochs", warmup_epochs)
+    dense_steps = _check_count("dense_steps", dense_steps)
     backward_passes_per_step = _check_count("backward_passes_per_step", backward_passes_per_step)
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step}")
@@ -551,7 +565,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
     state = _TopKState([n for n, _ in named_parameters], compression, communication, selection, leader, value_dtype,
                        warmup_steps, warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler,
-                       tuner)
+                       tuner, dense_steps)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
     return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,

@@ -21,6 +21,8 @@ def make(hvd, **kw):
     ({"leader": "random"}, "leader must be one of"),
     ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
     ({"warmup_epochs": 1.5}, "warmup_epochs must be an integer >= 0"),
+    ({"dense_steps": -3}, "dense_steps must be an integer >= 0"),
+    ({"dense_steps": True}, "dense_steps must be an integer >= 0"),
     ({"clip_grad_norm": -1.0}, "clip_grad_norm must be a finite number > 0"),
     ({"clip_grad_norm": float("nan")}, "clip_grad_norm must be a finite number > 0"),
     ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an integer >= 1"),
@@ -64,6 +66,14 @@ def test_warmup_schedule_is_dgc_exponential(hvd):
                                torch.tensor([0.001 ** (i / 5) for i in range(1, 5)]))
     assert densities[4:] == [0.001, 0.001]
     assert densities[0] == pytest.approx(0.251, abs=1e-3)     # DGC: 25% -> 6.25% -> ... -> 0.1%
+
+
+def test_dense_steps_come_before_the_warmup(hvd):
+    _, opt = make(hvd, compression=TopKEF(ratio=0.001), dense_steps=3, warmup_steps=2)
+    densities = [opt._hvd_topk.density(t) for t in range(7)]
+    assert densities[:3] == [1.0, 1.0, 1.0]
+    assert densities[3:5] == pytest.approx([0.001 ** (1 / 3), 0.001 ** (2 / 3)])
+    assert densities[5:] == [0.001, 0.001]
 
 
 def test_zero_grad_accepts_set_to_none(hvd):
@@ -170,6 +180,28 @@ def test_ratio_one_reproduces_dense_horovod(run_ranks, communication, selection)
     for name, value in dense[0]["params"].items():
         torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
     assert not torch.equal(dense[0]["params"]["0.weight"], dense[0]["initial"]["0.weight"])
+
+
+@pytest.mark.parametrize("communication", ["artopk", "allgather"])
+def test_dense_steps_reproduce_dense_horovod_then_compress(run_ranks, communication):
+    # Adam: the dense phase must be dense Horovod exactly (Adam's statistics start from full gradients)
+    common = ["--optimizer", "adam", "--dtype", "float64", "--min-numel", 64, "--width", 64]
+    dense = run_ranks(2, "opt_train.py", "--mode", "stock", "--steps", 6, *common)
+    first = run_ranks(2, "opt_train.py", "--communication", communication, "--ratio", 0.01, "--dense-steps", 6,
+                      "--steps", 6, *common)
+    for name, value in dense[0]["params"].items():
+        torch.testing.assert_close(first[0]["params"][name], value, rtol=1e-10, atol=1e-12)
+    longer = run_ranks(2, "opt_train.py", "--communication", communication, "--ratio", 0.01, "--dense-steps", 6,
+                       "--steps", 10, *common)
+    assert_identical_across_ranks(longer)
+    stats = longer[0]["stats"]
+    assert [s["density"] for s in stats] == [1.0] * 6 + [0.01] * 4
+    assert all(s["compression_gain"] == pytest.approx(1.0) for s in stats[:6])
+    assert all(s["compression_gain"] < 1 and s["residual_norm"] > 0 for s in stats[6:])
+    # the dense steps cost what dense costs: every element once, as values (no indices)
+    full = sum(p.numel() for p in dense[0]["params"].values()) * 8
+    assert all(full <= s["bytes_sent"] <= full + 8 * 8 for s in stats[:6])
+    assert all(s["bytes_sent"] < full / 10 for s in stats[6:])
 
 
 @pytest.mark.parametrize("communication,leader,selection,np", [

@@ -30,6 +30,7 @@ p.add_argument("--nesterov", action="store_true")
 p.add_argument("--weight-decay", type=float, default=0.0)
 p.add_argument("--mc", choices=["auto", "on", "off"], default="auto")
 p.add_argument("--warmup-steps", type=int, default=0)
+p.add_argument("--dense-steps", type=int, default=0)
 p.add_argument("--clip", type=float, default=None)
 p.add_argument("--op", choices=["average", "sum"], default="average")
 p.add_argument("--bpps", type=int, default=1)
@@ -72,7 +73,7 @@ else:
         backward_passes_per_step=args.bpps, communication=args.communication, leader=args.leader,
         selection=args.selection,
         momentum_correction={"auto": None, "on": True, "off": False}[args.mc],
-        warmup_steps=args.warmup_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
+        warmup_steps=args.warmup_steps, dense_steps=args.dense_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
         value_dtype=None if args.value_dtype == "none" else torch.float16,
         adaptive_ratio=True if args.adaptive_ratio else None, adaptive_weight=args.adaptive_weight,
         auto_every=args.auto_every)
