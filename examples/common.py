@@ -59,6 +59,10 @@ def add_compression_args(parser):
                    help="hvd_topk: send the first N steps dense (a warm-up stage for Adam's statistics)")
     g.add_argument("--adaptive-ratio", action="store_true",
                    help="hvd_topk: let the optimizer adapt the ratio (--ratio is the starting point)")
+    g.add_argument("--adaptive-weight", type=float, default=None,
+                   help="hvd_topk: exponent w of the gain in the adaptive ratio's objective (default: the optimizer's)")
+    g.add_argument("--auto-every", type=int, default=50,
+                   help="hvd_topk: steps between the automatic checks (adaptive ratio, drift)")
     return parser
 
 
@@ -106,7 +110,8 @@ def make_distributed_optimizer(args, model, base_opt):
             communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
             dense_steps=args.dense_steps, selection=args.selection,
             momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
-            adaptive_ratio=True if args.adaptive_ratio else None)
+            adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every,
+            **({} if args.adaptive_weight is None else {"adaptive_weight": args.adaptive_weight}))
         return opt, None
     if args.adaptive_ratio or args.communication == "auto" or args.dense_steps:
         raise ValueError("--adaptive-ratio, --communication auto and --dense-steps need --compression hvd_topk")
