@@ -17,7 +17,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .auto import DEFAULT_RATIOS, MODES, AutoTuner
+from .auto import DEFAULT_RATIOS, DEFAULT_WEIGHT, MODES, AutoTuner
 from .comm import (IndexPipeline, allgather_sparse_async, finite_flag, flag_raised, scatter_add_gathered,
                    star_leader)
 from .compression import TopKEF
@@ -474,7 +474,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                          op=Average, gradient_predivide_factor=1.0, process_set=mpi_ops.global_process_set,
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
                          communication="artopk", leader="star", value_dtype=None, grad_scaler=None,
-                         selection="layerwise", adaptive_ratio=None, adaptive_weight=0.5, auto_every=50,
+                         selection="layerwise", adaptive_ratio=None, adaptive_weight=DEFAULT_WEIGHT, auto_every=50,
                          dense_steps=0):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
 
@@ -507,7 +507,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             unscaled gradients, and an overflow on any rank skips the step on every rank.
         adaptive_ratio: None/False (fixed ratio), True (candidates 0.1, 0.03, 0.01, 0.003, 0.001) or
             (low, high) bounds on those candidates; the compression's ratio is where it starts.
-        adaptive_weight: exponent w of the gain in the adaptive ratio's J(c) = T(c) / G(c)**w, >= 0.
+        adaptive_weight: exponent w of the gain in the adaptive ratio's J(c) = T(c) / G(c)**w, >= 0
+            (0.3: measured, see ``hvd_topk.auto``).
         auto_every: steps between the automatic checks (ratio, drift), int >= 2.
 
     Returns:
