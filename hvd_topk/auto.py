@@ -14,10 +14,11 @@ compressed tensor (n elements, density c, N ranks) the modelled seconds are::
     artopk     artopk_ring(M, c) + σ·n/N + 2π·n                   the leader selects, all gather values
 
 (``hvd_topk.costmodel``; the leader role rotates, so each rank selects 1/N of the tensors.) The
-cheapest wins; ties go to dense, then artopk. The model ignores overlap with the backward pass, so
-when it does not promise a clear win (modelled plan ≥ half the modelled all-dense time) the plan is
-checked by measurement: a few steps with the plan, a few all dense, the faster median (agreed over the
-ranks) is kept. Horovod's Gloo and MPI collectives do not expose ring vs. tree, so only the ring
+cheapest wins; ties go to dense, then artopk. The model ignores the overlap with the backward pass and
+the ranks' competition for CPU (on a fast link a selection on every rank costs more than the model
+says), so its choice is checked by measurement: the model's plan and every uniform plan (all dense,
+all artopk, all allgather) modelled within 4x of it run ``trial_steps`` steps each, and the plan with
+the fastest median step (agreed over the ranks) is kept. Horovod's Gloo and MPI collectives do not expose ring vs. tree, so only the ring
 formulas are used here.
 
 **Adaptive ratio.** Every ``every`` steps the ranks agree on (a) the mean measured step time T and (b)
@@ -55,7 +56,7 @@ from .probe import Probe
 from .sparsify import k_for, topk_energies, topk_indices
 
 __all__ = ["MODES", "DEFAULT_RATIOS", "DEFAULT_WEIGHT", "Costs", "tensor_seconds", "plan_transports", "plan_seconds",
-           "choose_ratio", "AutoTuner"]
+           "trial_plans", "choose_ratio", "AutoTuner"]
 
 log = logging.getLogger("hvd_topk")
 
@@ -63,7 +64,7 @@ MODES = ("dense", "artopk", "allgather")          # also the tie-break order
 DEFAULT_RATIOS = (0.1, 0.03, 0.01, 0.003, 0.001)
 DEFAULT_WEIGHT = 0.3                               # w of J(c); measured, see the module docstring
 _HYSTERESIS = 0.05                                 # J must improve by more than this to move the ratio
-_CLEAR_WIN = 0.5                                   # plan < this x all-dense (modelled): no trial needed
+_TRIAL_SPAN = 4.0                                  # trial every uniform plan modelled within this x the best
 
 
 class Costs(NamedTuple):
@@ -112,6 +113,26 @@ def plan_seconds(numels, plan, density, n_workers, costs, value_bytes=4):
                for name, mode in plan.items())
 
 
+def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=_TRIAL_SPAN):
+    """Plans worth measuring: the model's per-tensor plan first, then every uniform plan (one transport
+    for all tensors, in ``MODES`` order) whose modelled time is within ``span`` x the model's plan."""
+    plan = plan_transports(numels, density, n_workers, costs, value_bytes)
+    best = plan_seconds(numels, plan, density, n_workers, costs, value_bytes)
+    arms = [plan]
+    for mode in MODES:
+        uniform = {name: mode for name in numels}
+        if uniform not in arms and plan_seconds(numels, uniform, density, n_workers, costs, value_bytes) \
+                <= span * best:
+            arms.append(uniform)
+    return arms
+
+
+def _plan_name(plan):
+    modes = set(plan.values())
+    return f"all {modes.pop()}" if len(modes) == 1 else \
+        "mixed " + "/".join(f"{sum(1 for v in plan.values() if v == m)} {m}" for m in MODES if m in modes)
+
+
 def choose_ratio(current, step_seconds, gains, weight=DEFAULT_WEIGHT, hysteresis=_HYSTERESIS):
     """The ratio minimising J(c) = T(c) / G(c)**weight; stays at ``current`` unless J improves enough.
 
@@ -142,7 +163,7 @@ class AutoTuner:
         ratios: candidate ratios for the adaptive ratio, descending; None: fixed ratio.
         weight: exponent of the gain in J.
         every: steps between checks (ratio, drift), >= 2.
-        trial_steps: steps per arm of the plan-vs-dense trial, >= 2.
+        trial_steps: steps per arm of the trial of plans, >= 2.
         threshold: relative drift of communication time that triggers a new probe.
         probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
     """
@@ -159,7 +180,7 @@ class AutoTuner:
         self.last_probe_check = -math.inf
         # decisions
         self.plan = {}                    # name -> mode, in effect now (auto_transport)
-        self.trial = None                 # (plan, dense plan, first step of the plan arm)
+        self.trial = None                 # (plans to measure, first step of the first one)
         self.history = []                 # (step, ratio, {mode: count}, reason), identical on all ranks
         # this rank's measurements of the current window
         self.step_times = []
@@ -223,28 +244,32 @@ class AutoTuner:
             return
         numels, density, n = state.sparse_numels, state.density(step + 1), mpi_ops.size()
         plan = plan_transports(numels, density, n, self.costs)
-        dense = {name: "dense" for name in numels}
         self.plan = plan
-        if plan != dense and plan_seconds(numels, plan, density, n, self.costs) >= \
-                _CLEAR_WIN * plan_seconds(numels, dense, density, n, self.costs):
-            self.trial = (plan, dense, step + 1)      # not a clear win: measure it
-            self.trial_times = []
-        self._record(step, state.ratio, reason + (", trial vs dense" if self.trial else ""))
+        self.trial = None
+        arms = trial_plans(numels, density, n, self.costs)
+        if len(arms) > 1:                               # the model is not sure enough: measure
+            self.trial, self.trial_times = (arms, step + 1), []
+        self._record(step, state.ratio, reason + (f", trial of {len(arms)} plans" if self.trial else ""))
 
     def _trial_step(self, state, step):
-        plan, dense, start = self.trial
-        if step + 1 == start + self.trial_steps:          # plan arm done: dense arm next
-            self.plan = dense
-        elif step + 1 == start + 2 * self.trial_steps:
-            arm = self.trial_steps
-            # Drop the first step of each arm (transition), compare medians agreed over the ranks.
-            t_plan, t_dense = agree([statistics.median(self.trial_times[1:arm]),
-                                     statistics.median(self.trial_times[arm + 1:])], "hvd_topk.auto.trial")
-            self.trial = None
-            self.plan = plan if t_plan <= t_dense else dense
-            self.calibration = None                    # measured against the plan now in effect
-            self._record(step, state.ratio, f"trial: plan {t_plan * 1e3:.1f} ms/step, dense {t_dense * 1e3:.1f}")
-            self.step_times, self.comm_times = [], []
+        """Each plan runs ``trial_steps`` steps in turn; then the fastest median (agreed) is kept."""
+        arms, start = self.trial
+        i, r = divmod(step + 1 - start, self.trial_steps)
+        if r or i == 0:
+            return
+        if i < len(arms):
+            self.plan = arms[i]
+            return
+        t = self.trial_steps
+        # Drop the first step of each arm (the transition), compare medians agreed over the ranks.
+        medians = agree([statistics.median(self.trial_times[a * t + 1:(a + 1) * t]) for a in range(len(arms))],
+                        "hvd_topk.auto.trial")
+        best = min(range(len(arms)), key=lambda a: (medians[a], a))
+        self.trial, self.plan = None, arms[best]
+        self.calibration = None                    # measured against the plan now in effect
+        self._record(step, state.ratio, "trial: " + ", ".join(
+            f"{_plan_name(arm)} {m * 1e3:.1f} ms/step" for arm, m in zip(arms, medians)))
+        self.step_times, self.comm_times = [], []
 
     def _check(self, state, step):
         """Agree on the window's measurements; re-probe on drift; move the ratio."""

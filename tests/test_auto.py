@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import hvd_topk
 from hvd_topk import TopKEF
-from hvd_topk.auto import Costs, choose_ratio, plan_seconds, plan_transports, tensor_seconds
+from hvd_topk.auto import AutoTuner, Costs, choose_ratio, plan_seconds, plan_transports, tensor_seconds, trial_plans
 from hvd_topk.sparsify import topk_energies
 
 from conftest import assert_identical_across_ranks
@@ -41,6 +41,47 @@ def test_plan_seconds_sums_tensors():
     plan = {"a": "artopk", "b": "dense"}
     want = tensor_seconds(10**6, 0.01, 4, SLOW)["artopk"] + tensor_seconds(10**5, 0.01, 4, SLOW)["dense"]
     assert math.isclose(plan_seconds(numels, plan, 0.01, 4, SLOW), want)
+
+
+def test_trial_plans_are_the_models_plan_and_the_plausible_uniform_ones():
+    numels = {"w": 10 ** 6, "v": 10 ** 5}
+    slow = trial_plans(numels, 0.01, 4, SLOW)
+    assert slow[0] == plan_transports(numels, 0.01, 4, SLOW)
+    assert {"w": "dense", "v": "dense"} not in slow            # 100 Mbit/s: dense is far off, not tried
+    assert len(slow) == len({tuple(sorted(p.items())) for p in slow})
+    for plan in slow[1:]:
+        assert len(set(plan.values())) == 1
+        assert plan_seconds(numels, plan, 0.01, 4, SLOW) <= 4 * plan_seconds(numels, slow[0], 0.01, 4, SLOW)
+    # a fast link: dense is the model's choice, artopk is modelled 3.5x dearer (tried), allgather 6.7x (not)
+    dense, artopk = {"w": "dense", "v": "dense"}, {"w": "artopk", "v": "artopk"}
+    assert trial_plans(numels, 0.01, 4, FAST) == [dense, artopk]
+    assert trial_plans(numels, 0.01, 4, FAST, span=3.0) == [dense]
+    # an expensive selection: everything sparse is modelled > 100x dearer, nothing to measure
+    assert trial_plans(numels, 0.01, 4, CPU_BOUND) == [dense]
+
+
+def test_trial_runs_each_plan_in_turn_and_keeps_the_fastest(hvd):
+    class State:                                      # what the tuner reads of the optimizer
+        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
+
+        @staticmethod
+        def density(step):
+            return 0.01
+
+    tuner = AutoTuner(True, None, trial_steps=3)
+    tuner.costs = SLOW
+    arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]
+    tuner.trial, tuner.plan = (arms, 5), dict(arms[0])
+    step_s = {"artopk": 0.3, "allgather": 0.1, "dense": 0.2}
+    seen = []
+    for step in range(5, 14):
+        mode = tuner.plan["w"]
+        seen.append(mode)
+        transition = 5.0 if (step - 5) % 3 == 0 else 0.0     # the first step of each arm is not counted
+        assert tuner.end_step(State, step, step_s[mode] + transition, 0.0) is None
+    assert seen == ["artopk"] * 3 + ["allgather"] * 3 + ["dense"] * 3
+    assert tuner.trial is None and tuner.plan == {"w": "allgather"}
+    assert "all allgather 100.0 ms/step" in tuner.history[-1][3]
 
 
 def test_choose_ratio_objective_and_hysteresis():
