@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from bench.evidence import BANDWIDTHS, ROOT, job_env, namespace, preflight
+from bench.evidence import BANDWIDTHS, ROOT, job_env, namespace, preflight, relative
 
 # label -> (the example's arguments, link): "limited" is --bandwidth, "unlimited" the bare loopback
 MODES = {
@@ -58,8 +58,8 @@ def run_one(label, seed, o):
             argv += ["--auto-every", str(o.auto_every)]
         env = job_env(o.cycle_ms)
         with namespace(BANDWIDTHS[bandwidth], "1mb") as ns:
-            command = shlex.join([*(f"{k}={v}" for k, v in env.items()), *ns.prefix,
-                                  *launch_command(o.ranks, argv)])
+            command = relative(shlex.join([*(f"{k}={v}" for k, v in env.items()), *ns.prefix,
+                                           *launch_command(o.ranks, argv)]))
             run_job(o.ranks, argv, timeout=3600, prefix=ns.prefix, env=env, cwd=ROOT)
         with open(out) as f:
             rec = json.load(f)

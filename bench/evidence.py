@@ -410,8 +410,8 @@ def execute(run, o, unsupported):
         try:
             with namespace(rate, o.burst) as ns:
                 env = job_env(run.cycle_ms)
-                row["command"] = shlex.join([*(f"{k}={v}" for k, v in env.items()), *ns.prefix,
-                                             *launch_command(run.ranks, argv)])
+                row["command"] = relative(shlex.join([*(f"{k}={v}" for k, v in env.items()), *ns.prefix,
+                                                      *launch_command(run.ranks, argv)]))
                 run_job(run.ranks, argv, timeout=max(300, int(6 * run.est_s)), prefix=ns.prefix, env=env, cwd=ROOT)
             with open(out) as f:
                 record = json.load(f)
@@ -429,6 +429,11 @@ def execute(run, o, unsupported):
         finally:
             row["job_s"] = round(time.perf_counter() - t0, 1)
     return row, record
+
+
+def relative(command):
+    """A recorded command with this checkout's absolute path taken out (run from the repository root)."""
+    return command.replace(ROOT + os.sep, "")
 
 
 def _unsupported_reason(output, mode_args):
