@@ -142,8 +142,8 @@ def _ranks_of(pid):
         try:
             if p.name().startswith("python") and any(a.endswith("digits_cnn.py") for a in p.cmdline()):
                 out.append(p)
-        except psutil.Error:
-            pass
+        except psutil.Error:          # it ended while we looked: not a rank any more
+            continue
     return out
 
 
