@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+from hvd_topk.auto import DEFAULT_RATIOS
+
 from bench.evidence import BANDWIDTHS, ROOT, job_env, namespace, preflight, relative
 
 # label -> (the example's arguments, link): "limited" is --bandwidth, "unlimited" the bare loopback
@@ -65,7 +67,6 @@ def run_one(label, seed, o):
             rec = json.load(f)
     auto = rec.get("hvd_topk_auto") or {}
     history = auto.get("history") or []
-    ratios = [rec["ratio"]] + [h[1] for h in history if h[1] != rec["ratio"]]
     return {"mode": label, "seed": seed, "bandwidth": bandwidth, "test_acc": rec["test_accuracy"],
             "link_bytes": rec["loopback_tx_bytes"], "steps": rec["steps"], "wall_s": round(rec["wall_s"], 1),
             "ratio_final": (rec.get("hvd_topk_stats") or {}).get("ratio", "") if label != "dense" else "",
@@ -73,7 +74,7 @@ def run_one(label, seed, o):
             "params_identical": rec["params_identical"], "command": command}
 
 
-CALIBRATION_RATIOS = (0.1, 0.03, 0.01, 0.003, 0.001)
+CALIBRATION_RATIOS = DEFAULT_RATIOS          # the adaptive ratio's candidates
 THRESHOLDS = (0.3, 0.2, 0.15, 0.1)
 
 
