@@ -257,7 +257,10 @@ def _interrupt_and_requeue(cluster, job_id, out):
         info = cluster.job(job_id)
         return info["Restarts"] == "1" and info["JobState"] == "PENDING"
     cluster.wait_for("the requeue", requeued, 120)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    # Not StartTime=now: slurmd revokes the old run's credential with a one-second timestamp, and a new
+    # start within that same second is refused ("Job credential revoked") and the job fails. A start
+    # 3 s later is always in a later second, as Slurm's own two-minute hold is.
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+3")
     info = cluster.wait_done(job_id, out)
     text = _read(out)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{cluster.logs(out)}"
