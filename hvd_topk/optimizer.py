@@ -136,11 +136,17 @@ class _TopKState:
         mom = self.momentum.get(name)
         u_new = None
         if mom is not None:
+            # one fused pass per term (torch.add with alpha), not a temporary per product
             if mom.weight_decay:
-                g = g + mom.weight_decay * p.detach().reshape(-1)
+                g = torch.add(g, p.detach().reshape(-1), alpha=mom.weight_decay)
             u = self.velocities.get(name)
-            u_new = g.clone() if u is None else u * mom.momentum + (1.0 - mom.dampening) * g
-            g = g + mom.momentum * u_new if mom.nesterov else u_new
+            if u is None:
+                u_new = g.clone()
+            elif mom.dampening == 0:
+                u_new = torch.add(g, u, alpha=mom.momentum)
+            else:
+                u_new = u.mul(mom.momentum).add_(g, alpha=1.0 - mom.dampening)
+            g = torch.add(g, u_new, alpha=mom.momentum) if mom.nesterov else u_new
         if not self.is_sparse(p):
             return self._submit_dense(p, name, g, u_new)
         return self._submit_sparse(p, name, g, u_new)
@@ -204,19 +210,22 @@ class _TopKState:
         """Start sending the flat accumulator ``acc`` of ``key``; returns ``finish() -> (aggregated
         dense or None if some rank was non-finite, new residual, sent indices or None for all)``."""
         t0 = time.perf_counter()
-        acc_sq, finite = sq_norm_finite(acc)
-        flag = finite_flag(finite, acc)
-        self.step_sq_norm += acc_sq if math.isfinite(acc_sq) else 0.0
         n = acc.numel()
         k, k_next = k_for(n, self.density(self.step)), k_for(n, self.density(self.step + 1))
         mode = self.communication
+        gains = self.tuner is not None and self.tuner.wants_gains(self.step)
         if self.tuner is not None:
             mode = self.tuner.mode(key, mode)
-            if finite and self.tuner.wants_gains(self.step):
-                self.tuner.observe_acc(acc)
-            if mode == "dense":           # everything, through the AR-Topk path: the residual is flushed
+            if mode == "dense":           # everything: the residual is flushed
                 k = n
-        if k == n:                        # density 1 (dense steps, ratio 1.0): a plain allreduce is cheapest
+        if k == n and not gains:          # density 1 (dense steps, ratio 1.0, auto's dense plan)
+            return self._dense_transport(key, acc)
+        acc_sq, finite = sq_norm_finite(acc)
+        flag = finite_flag(finite, acc)
+        self.step_sq_norm += acc_sq if math.isfinite(acc_sq) else 0.0
+        if gains and finite:
+            self.tuner.observe_acc(acc)
+        if k == n:
             mode = "dense"
         vdtype = self.value_dtype or acc.dtype
         if mode in ("artopk", "dense"):
@@ -259,6 +268,24 @@ class _TopKState:
             if self.op == Average:
                 dense.mul_(1.0 / mpi_ops.size())
             return dense, residual, None if k == n else indices
+        return finish
+
+    def _dense_transport(self, key, acc):
+        """Density 1 as cheaply as stock Horovod: ``acc`` (our own tensor) is allreduced in place, with no
+        flag appended and no norm before sending; a non-finite rank shows in the sum, which is read
+        after (identical on all ranks, as in the dense path). The residual is flushed (None). The
+        stats count these tensors as dense: their compression gain is 1 by definition."""
+        vdtype = self.value_dtype or acc.dtype
+        buf = acc if acc.dtype == vdtype else acc.to(vdtype)
+        self.stats.add_sent(buf.numel() * buf.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
+        handle = mpi_ops.allreduce_async_(buf, name=f"hvd_topk.values.{key}", op=self.op,
+                                          prescale_factor=self.prescale, postscale_factor=self.postscale)
+
+        def finish():
+            out = mpi_ops.synchronize(handle)
+            if not sq_norm_finite(out)[1]:
+                return None, None, None
+            return out.to(acc.dtype), None, None
         return finish
 
     def _commit(self, name, residual, u_new, indices, residual_too=True):

@@ -290,13 +290,15 @@ def test_amp_overflow_on_one_rank_skips_step_everywhere(run_ranks, one_tensor):
     assert scales == {2.0 ** 7}                      # backed off once, identically on both ranks
 
 
-@pytest.mark.parametrize("communication,selection", [("artopk", "layerwise"), ("allgather", "layerwise"),
-                                                     ("dense", "layerwise"), ("artopk", "global")])
-def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(run_ranks, communication, selection):
+@pytest.mark.parametrize("communication,selection,dense_steps", [
+    ("artopk", "layerwise", 0), ("allgather", "layerwise", 0), ("dense", "layerwise", 0), ("artopk", "global", 0),
+    ("artopk", "layerwise", 8), ("allgather", "layerwise", 8)])    # 8: step 5 is dense (density 1)
+def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(run_ranks, communication, selection,
+                                                                    dense_steps):
     """Without a loss scaler: one tensor NaN on rank 1 -> step() skips on both ranks, state unchanged."""
     results = run_ranks(2, "opt_train.py", "--steps", 10, "--overflow-rank", 1, "--overflow-step", 5,
                         "--overflow-one-tensor", "--ratio", 0.05, "--communication", communication,
-                        "--selection", selection)
+                        "--selection", selection, "--dense-steps", dense_steps)
     assert_identical_across_ranks(results)
     for res in results:
         (skip,) = res["skipped"]
