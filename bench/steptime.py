@@ -4,10 +4,13 @@ side in one run.
 A deep MLP (default 31 Linear layers = 62 parameter tensors) on 2 ranks (horovodrun, Gloo) in a
 private network namespace with an unlimited loopback. Modes: dense; TopKEF in stock Horovod with the
 one-step-stale asynchronous index broadcast (default) and with a blocking index broadcast per tensor;
-hvd_topk.DistributedOptimizer (momentum correction on) with artopk layerwise, artopk global, allgather.
+hvd_topk.DistributedOptimizer (momentum correction on) with artopk layerwise, artopk global, allgather,
+and at density 1 (ratio 1.0, the path of dense_steps and of auto's all-dense plan; and
+communication='dense').
 
     python -m bench.steptime                    # prints a table; --json-out to save it
     python -m bench.steptime --depth 60 --width 512 --ratio 0.001
+    python -m bench.steptime --modes "hvd_topk ratio 1.0,hvd_topk dense"   # the density-1 paths
 (Run bench scripts as modules from the repository root: bench/select.py would shadow the standard
 library's ``select`` module if bench/ were on sys.path.)
 """
@@ -25,7 +28,10 @@ MODES = {"dense": [], "topkef (stale indices)": ["--topkef"],
          "topkef (sync indices)": ["--topkef", "--sync-indices"],
          "hvd_topk artopk layerwise": ["--hvd-topk", "artopk", "layerwise"],
          "hvd_topk artopk global": ["--hvd-topk", "artopk", "global"],
-         "hvd_topk allgather layerwise": ["--hvd-topk", "allgather", "layerwise"]}
+         "hvd_topk allgather layerwise": ["--hvd-topk", "allgather", "layerwise"],
+         # density 1: the path of dense_steps, ratio=1.0 and auto's all-dense plan (the last --ratio wins)
+         "hvd_topk ratio 1.0": ["--hvd-topk", "artopk", "layerwise", "--ratio", "1.0"],
+         "hvd_topk dense": ["--hvd-topk", "dense", "layerwise"]}
 
 
 def worker(args):
@@ -78,9 +84,10 @@ def driver(args):
     from hvd_topk.launch import run_job
     from hvd_topk.wire import Namespace, can_make_namespace
 
+    modes = {m: MODES[m] for m in ["dense"] + [m for m in args.modes.split(",") if m and m != "dense"]}
     rows = {}
     for rep in range(args.repeats):                 # interleaved repeats: the machine is noisy
-        for mode, flags in MODES.items():
+        for mode, flags in modes.items():
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "r.json")
                 argv = [sys.executable, "-m", "bench.steptime", "--worker", "--json-out", out,
@@ -109,6 +116,13 @@ def driver(args):
             json.dump(table, f, indent=1)
 
 
+def _modes(text):
+    unknown = [m for m in text.split(",") if m and m not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    return text
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--np", type=int, default=2)
@@ -119,6 +133,8 @@ if __name__ == "__main__":
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--modes", default=",".join(MODES), type=_modes,
+                   help="comma-separated subset of: " + ", ".join(MODES) + " (dense always runs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--topkef", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sync-indices", action="store_true", help=argparse.SUPPRESS)
