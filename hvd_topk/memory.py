@@ -77,11 +77,14 @@ class ResidualMemory:
     def __init__(self):
         self.residuals = {}       # key -> flat tensor, or None when everything was sent
 
-    def compensate(self, key, grad):
-        """New flat tensor acc = grad + residual[key] (the residual itself is left as it is)."""
+    def compensate(self, key, grad, copy=True):
+        """Flat acc = grad + residual[key] (the residual itself is left as it is): a new tensor, or with
+        copy=False and no residual, ``grad`` itself (flattened) for a caller that only reads it."""
         residual = self.residuals.get(key)
         flat = grad.reshape(-1)
-        return flat.clone() if residual is None else flat + residual
+        if residual is None:
+            return flat.clone() if copy else flat
+        return flat + residual
 
     def update(self, key, residual):
         """Commit ``residual`` (acc with the sent entries zeroed, or None) as the new residual."""

@@ -152,11 +152,11 @@ class _TopKState:
         return self._submit_sparse(p, name, g, u_new)
 
     def _submit_dense(self, p, name, g, u_new):
-        """Plain allreduce (momentum, if corrected, is applied locally first: it is linear)."""
-        buf = g.clone() if g is u_new else g           # the allreduce works in place; u_new stays local
-        self.stats.add_sent(buf.numel() * buf.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
-        handle = mpi_ops.allreduce_async_(buf, name=f"hvd_topk.dense.{name}", op=self.op,
-                                          prescale_factor=self.prescale, postscale_factor=self.postscale)
+        """Plain allreduce (momentum, if corrected, is applied locally first: it is linear). Out of
+        place: g (u_new itself, with momentum correction) is only read, so no copy is made."""
+        self.stats.add_sent(g.numel() * g.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
+        handle = mpi_ops.allreduce_async(g, name=f"hvd_topk.dense.{name}", op=self.op,
+                                         prescale_factor=self.prescale, postscale_factor=self.postscale)
 
         def finish():
             out = mpi_ops.synchronize(handle)
@@ -171,7 +171,7 @@ class _TopKState:
         if self.selection == "global":
             self.bucket.append((name, p, g, u_new))
             return lambda: self._bucket_output(name)
-        finish = self._sparse_transport(name, self.residuals.compensate(name, g), g)
+        finish = self._sparse_transport(name, g)
 
         def done():
             dense, residual, indices = finish()
@@ -188,8 +188,7 @@ class _TopKState:
             entries = sorted(self.bucket, key=lambda e: e[0])
             self.bucket = []
             flat_g = torch.cat([g for _, _, g, _ in entries])
-            dense, residual, indices = self._sparse_transport(
-                GLOBAL_KEY, self.residuals.compensate(GLOBAL_KEY, flat_g), flat_g)()
+            dense, residual, indices = self._sparse_transport(GLOBAL_KEY, flat_g)()
             if dense is not None:
                 self.commits.append(lambda: self._commit(GLOBAL_KEY, residual, None, None))
             offset = 0
@@ -206,11 +205,12 @@ class _TopKState:
                 offset += g.numel()
         return self.bucket_out.pop(name)
 
-    def _sparse_transport(self, key, acc, g):
-        """Start sending the flat accumulator ``acc`` of ``key``; returns ``finish() -> (aggregated
-        dense or None if some rank was non-finite, new residual, sent indices or None for all)``."""
+    def _sparse_transport(self, key, g):
+        """Start sending the flat accumulator acc = ``g`` + residual of ``key``; returns ``finish() ->
+        (aggregated dense or None if some rank was non-finite, new residual, sent indices or None for
+        all)``."""
         t0 = time.perf_counter()
-        n = acc.numel()
+        n = g.numel()
         k, k_next = k_for(n, self.density(self.step)), k_for(n, self.density(self.step + 1))
         mode = self.communication
         gains = self.tuner is not None and self.tuner.wants_gains(self.step)
@@ -219,7 +219,8 @@ class _TopKState:
             if mode == "dense":           # everything: the residual is flushed
                 k = n
         if k == n and not gains:          # density 1 (dense steps, ratio 1.0, auto's dense plan)
-            return self._dense_transport(key, acc)
+            return self._dense_transport(key, self.residuals.compensate(key, g, copy=False))
+        acc = self.residuals.compensate(key, g)
         acc_sq, finite = sq_norm_finite(acc)
         flag = finite_flag(finite, acc)
         self.step_sq_norm += acc_sq if math.isfinite(acc_sq) else 0.0
@@ -271,15 +272,16 @@ class _TopKState:
         return finish
 
     def _dense_transport(self, key, acc):
-        """Density 1 as cheaply as stock Horovod: ``acc`` (our own tensor) is allreduced in place, with no
-        flag appended and no norm before sending; a non-finite rank shows in the sum, which is read
-        after (identical on all ranks, as in the dense path). The residual is flushed (None). The
-        stats count these tensors as dense: their compression gain is 1 by definition."""
+        """Density 1 as cheaply as stock Horovod: ``acc`` (possibly the gradient itself: it is only read)
+        goes to an out-of-place allreduce, with no flag appended, no norm and no copy before sending;
+        a non-finite rank shows in the sum, which is read after (identical on all ranks, as in the
+        dense path). The residual is flushed (None). The stats count these tensors as dense: their
+        compression gain is 1 by definition."""
         vdtype = self.value_dtype or acc.dtype
         buf = acc if acc.dtype == vdtype else acc.to(vdtype)
         self.stats.add_sent(buf.numel() * buf.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
-        handle = mpi_ops.allreduce_async_(buf, name=f"hvd_topk.values.{key}", op=self.op,
-                                          prescale_factor=self.prescale, postscale_factor=self.postscale)
+        handle = mpi_ops.allreduce_async(buf, name=f"hvd_topk.values.{key}", op=self.op,
+                                         prescale_factor=self.prescale, postscale_factor=self.postscale)
 
         def finish():
             out = mpi_ops.synchronize(handle)
