@@ -232,8 +232,14 @@ class AutoTuner:
 
     def _probe(self, state, step, reason):
         res = self.probe.run()
+        alpha, beta = res.alpha, res.beta
+        if beta <= 0 and self.costs is not None and self.costs.beta > 0:
+            # A re-probe whose fit finds no bandwidth term at all (busy host: the large messages were
+            # not slower than the small ones) measured noise: keep the last fit (identical everywhere).
+            alpha, beta = self.costs.alpha, self.costs.beta
+            reason += ", re-probe without a bandwidth term: last alpha/beta kept"
         select_s, pass_s = agree(self._time_compression(state), "hvd_topk.auto.costs")
-        self.costs = Costs(res.alpha, res.beta, select_s, pass_s)
+        self.costs = Costs(alpha, beta, select_s, pass_s)
         self.calibration = None
         self.last_probe_check = step
         self._choose_transports(state, step, reason)

@@ -1,5 +1,6 @@
 """communication='auto' and the adaptive ratio: pure decisions, bad input, and real 3-rank jobs."""
 import math
+import time
 
 import pytest
 import torch
@@ -82,6 +83,36 @@ def test_trial_runs_each_plan_in_turn_and_keeps_the_fastest(hvd):
     assert seen == ["artopk"] * 3 + ["allgather"] * 3 + ["dense"] * 3
     assert tuner.trial is None and tuner.plan == {"w": "allgather"}
     assert "all allgather 100.0 ms/step" in tuner.history[-1][3]
+
+
+def test_reprobe_without_a_bandwidth_term_keeps_the_last_fit(hvd):
+    from hvd_topk.probe import ProbeResult
+
+    class State:
+        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
+        clock = staticmethod(time.perf_counter)
+
+        @staticmethod
+        def density(step):
+            return 0.01
+
+    def fit(alpha, beta):
+        return ProbeResult(alpha, beta, alpha, beta, "allreduce", 2, (4, 64), (1e-4, 1e-4), 0.1)
+
+    class FakeProbe:
+        fits = iter([fit(1e-4, 2e-9), fit(5e-4, 0.0), fit(3e-4, 4e-9)])
+
+        def run(self):
+            return next(self.fits)
+
+    tuner = AutoTuner(True, None, probe=FakeProbe())
+    tuner._probe(State, 0, reason="start")
+    assert (tuner.costs.alpha, tuner.costs.beta) == (1e-4, 2e-9)
+    tuner._probe(State, 50, reason="drift")               # no bandwidth term: noise, the last fit stays
+    assert (tuner.costs.alpha, tuner.costs.beta) == (1e-4, 2e-9)
+    assert "last alpha/beta kept" in tuner.history[-1][3]
+    tuner._probe(State, 100, reason="drift")              # a real fit replaces it
+    assert (tuner.costs.alpha, tuner.costs.beta) == (3e-4, 4e-9)
 
 
 def test_choose_ratio_objective_and_hysteresis():
