@@ -17,8 +17,9 @@ compressed tensor (n elements, density c, N ranks) the modelled seconds are::
 cheapest wins; ties go to dense, then artopk. The model ignores the overlap with the backward pass and
 the ranks' competition for CPU (on a fast link a selection on every rank costs more than the model
 says), so its choice is checked by measurement: the model's plan and every uniform plan (all dense,
-all artopk, all allgather) modelled within 4x of it run ``trial_steps`` steps each, and the plan with
-the fastest median step (agreed over the ranks) is kept. Horovod's Gloo and MPI collectives do not
+all artopk, all allgather) modelled within 4x of it take turns, ``trial_steps`` steps at a time, for
+``trial_rounds`` rounds (A B C A B C ...: a slow spell of the host falls on every plan, not on one),
+and the plan with the fastest median step (agreed over the ranks) is kept. Horovod's Gloo and MPI collectives do not
 expose ring vs. tree, so only the ring formulas are used here.
 
 **Adaptive ratio.** Every ``every`` steps the ranks agree on (a) the mean measured step time T and (b)
@@ -163,16 +164,17 @@ class AutoTuner:
         ratios: candidate ratios for the adaptive ratio, descending; None: fixed ratio.
         weight: exponent of the gain in J.
         every: steps between checks (ratio, drift), >= 2.
-        trial_steps: steps per arm of the trial of plans, >= 2.
+        trial_steps: steps of one plan in a row during the trial of plans (the first is not counted), >= 2.
+        trial_rounds: how many times each plan takes its turn in the trial, >= 1.
         threshold: relative drift of communication time that triggers a new probe.
         probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
     """
 
-    def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=6, threshold=0.5,
-                 probe=None):
+    def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=3, trial_rounds=3,
+                 threshold=0.5, probe=None):
         # configuration
         self.auto_transport, self.ratios, self.weight = auto_transport, ratios, weight
-        self.every, self.trial_steps, self.threshold = every, trial_steps, threshold
+        self.every, self.trial_steps, self.trial_rounds, self.threshold = every, trial_steps, trial_rounds, threshold
         self.probe = probe or Probe(repeats=3)
         # agreed measurements
         self.costs = None                 # Costs, after the first probe
@@ -258,18 +260,23 @@ class AutoTuner:
         self._record(step, state.ratio, reason + (f", trial of {len(arms)} plans" if self.trial else ""))
 
     def _trial_step(self, state, step):
-        """Each plan runs ``trial_steps`` steps in turn; then the fastest median (agreed) is kept."""
+        """The plans take turns, ``trial_steps`` steps each, for ``trial_rounds`` rounds; then the plan
+        with the fastest median step (agreed over the ranks) is kept."""
         arms, start = self.trial
-        i, r = divmod(step + 1 - start, self.trial_steps)
-        if r or i == 0:
-            return
-        if i < len(arms):
-            self.plan = arms[i]
-            return
         t = self.trial_steps
-        # Drop the first step of each arm (the transition), compare medians agreed over the ranks.
-        medians = agree([statistics.median(self.trial_times[a * t + 1:(a + 1) * t]) for a in range(len(arms))],
-                        "hvd_topk.auto.trial")
+        block, r = divmod(step + 1 - start, t)
+        if r:
+            return
+        if block < len(arms) * self.trial_rounds:
+            self.plan = arms[block % len(arms)]
+            return
+        # Step s of the trial ran arms[(s // t) % len(arms)]; the first step of each turn (the
+        # transition) is not counted.
+        samples = [[] for _ in arms]
+        for s, step_s in enumerate(self.trial_times):
+            if s % t:
+                samples[(s // t) % len(arms)].append(step_s)
+        medians = agree([statistics.median(x) for x in samples], "hvd_topk.auto.trial")
         best = min(range(len(arms)), key=lambda a: (medians[a], a))
         self.trial, self.plan = None, arms[best]
         self.calibration = None                    # measured against the plan now in effect
