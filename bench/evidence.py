@@ -17,11 +17,17 @@ headers included. Every job gets the same HOROVOD_CYCLE_TIME (20 ms by default),
 - ``cycle`` (not in the default): the same step measurement at several HOROVOD_CYCLE_TIME values, what
   the control plane costs in bytes and what a longer cycle costs in step time.
 
+``--repeats N`` runs the steps part's grid N times in turn (every mode once, then every mode again, so a
+slow spell of the host falls on every mode): steps_runs.csv has every run, steps.csv, the tables and
+the plots the median of the N per cell, and the report a table of each run's step time and how auto
+did against the best fixed mode in every repeat.
+
     python -m bench.evidence                      # the full grid; prints its plan and time estimate
     python -m bench.evidence --dry-run            # the planned runs and the estimate only
     python -m bench.evidence --quick --out /tmp/ev   # the CI preset (~2 min)
     python -m bench.evidence --part steps --ranks 4 --bandwidths 100mbit --modes dense,topkef
     python -m bench.evidence --part cycle         # control plane against HOROVOD_CYCLE_TIME
+    python -m bench.evidence --part steps --ranks 2 --repeats 3   # every cell 3 times, interleaved
     python -m bench.evidence --report-only        # CSV, plots and report.md again from <out>/raw/
 The full grid is 118 jobs: about an hour on an idle 2-core machine, half of it job startup (~12-16 s a
 job) and the 100 Mbit/s links' dense steps and parameter broadcasts; ``--dry-run`` prints the estimate
@@ -261,6 +267,7 @@ class Run:
     budget_s: float = 0.0          # tta: training wall-clock budget
     eval_every: int = 0            # tta: steps between evaluations
     cycle_ms: str = ""             # HOROVOD_CYCLE_TIME of this job (the cycle part varies it)
+    repeat: int = 0                # steps part with --repeats N > 1: which pass over the grid (1..N)
     est_s: float = 0.0             # estimated duration of the job, startup included
 
     @property
@@ -268,7 +275,8 @@ class Run:
         slug = re.sub(r"[^a-z0-9]+", "-", self.label.lower()).strip("-")
         ratio = "" if self.ratio is None else f"-r{self.ratio:g}"
         return (f"{self.part}-{self.example}-{slug}{ratio}-n{self.ranks}-{self.bandwidth}"
-                + ("-noniid" if self.non_iid else "") + (f"-c{self.cycle_ms}" if self.part == "cycle" else ""))
+                + ("-noniid" if self.non_iid else "") + (f"-c{self.cycle_ms}" if self.part == "cycle" else "")
+                + (f"-rep{self.repeat}" if self.repeat else ""))
 
     def argv(self, json_out):
         ex = EXAMPLES[self.example]
@@ -323,20 +331,21 @@ def plan(o):
     runs = []
     parts = o.part
 
-    def timed(part, ranks, bw, label, ratio, cycle_ms):
+    def timed(part, ranks, bw, label, ratio, cycle_ms, repeat=0):
         est = estimate_step_s(o.steps_example, label, ranks, bw, ratio, cycle_ms)
         measured = min(o.max_measured, max(o.min_measured, round(o.step_seconds / est)))
         warmup = max(o.warmup, MODE_WARMUP.get(label, 0))
         return Run(part, o.steps_example, label, ranks, bw, ratio, steps=warmup + measured, warmup=warmup,
-                   cycle_ms=cycle_ms,
+                   cycle_ms=cycle_ms, repeat=repeat,
                    est_s=job_overhead_s(o.steps_example, ranks, bw) + (warmup + measured) * est)
 
     if "steps" in parts:
-        for ranks in o.ranks:
-            for bw in o.bandwidths:
-                for label in o.modes:
-                    for ratio in (o.ratios if is_sparse(label) else [None]):
-                        runs.append(timed("steps", ranks, bw, label, ratio, o.cycle_time_ms))
+        for repeat in (range(1, o.repeats + 1) if o.repeats > 1 else [0]):   # the whole grid, in turn
+            for ranks in o.ranks:
+                for bw in o.bandwidths:
+                    for label in o.modes:
+                        for ratio in (o.ratios if is_sparse(label) else [None]):
+                            runs.append(timed("steps", ranks, bw, label, ratio, o.cycle_time_ms, repeat))
     if "cycle" in parts:
         for label in o.cycle_modes:           # cycle times side by side: the machine's load drifts
             for cycle_ms in o.cycle_times:
@@ -553,26 +562,84 @@ def _record_fields(record):
 
 
 def add_relative(rows):
-    """Speed-up over dense and fp16 and bytes relative to them, within each (example, ranks, link, cycle)."""
+    """Speed-up over dense and fp16 and bytes relative to them, within each (example, ranks, link, cycle,
+    repeat)."""
     base = {}
     for r in rows:
         if r["status"] == "ok" and r["label"] in ("dense", "fp16") and "step_s" in r:
-            base[(r["example"], r["ranks"], r["bandwidth"], r["cycle_ms"], r["label"])] = r
+            base[(r["example"], r["ranks"], r["bandwidth"], r["cycle_ms"], r.get("repeat", 0), r["label"])] = r
     for r in rows:
         if r["status"] != "ok" or "step_s" not in r:
             continue
         for ref in ("dense", "fp16"):
-            b = base.get((r["example"], r["ranks"], r["bandwidth"], r["cycle_ms"], ref))
+            b = base.get((r["example"], r["ranks"], r["bandwidth"], r["cycle_ms"], r.get("repeat", 0), ref))
             if b is not None:
                 r[f"speedup_vs_{ref}"] = b["step_s"] / r["step_s"]
                 r[f"bytes_vs_{ref}"] = r["link_bytes"] / b["link_bytes"]
     return rows
 
 
+# Figures of a steps row whose median over the repeats is the cell's (``median_rows``).
+MEDIAN_FIELDS = ("measured_steps", "step_s", "step_s_p10", "step_s_p90", "link_bytes", "theoretical_bytes",
+                 "measured_over_theoretical", "excess_bytes", "cp_bound_bytes", "wall_s", "job_s")
+
+
+def median_rows(rows):
+    """One row per cell (example, ranks, link, cycle, mode, ratio) from the runs of every repeat: the
+    median of each figure in ``MEDIAN_FIELDS`` over the runs that succeeded (``repeats`` of them; each
+    one's step time in ``step_s_runs``); speed-ups and bytes against dense and fp16 are recomputed from
+    the medians. A cell with no successful run keeps its first run's failure."""
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["example"], r["ranks"], r["bandwidth"], r["cycle_ms"], r["label"], r.get("ratio")),
+                         []).append(r)
+    out = []
+    for runs in cells.values():
+        ok = [r for r in runs if r["status"] == "ok" and "step_s" in r]
+        row = {k: v for k, v in (ok or runs)[0].items() if not k.startswith(("speedup_vs_", "bytes_vs_"))}
+        row.update(run_id=re.sub(r"-rep\d+$", "", row["run_id"]), repeat=0, repeats=len(ok))
+        if ok:
+            for field in MEDIAN_FIELDS:
+                values = [r[field] for r in ok if r.get(field) is not None]
+                row[field] = statistics.median(values) if values else None
+            row.update(step_s_runs="/".join(f"{r['step_s'] * 1e3:.1f}" for r in ok),
+                       scheme=", ".join(dict.fromkeys(r.get("scheme") or "" for r in ok)),
+                       params_identical=all(r.get("params_identical") for r in ok),
+                       error="; ".join(f"{r['run_id']}: {r['status']}" for r in runs if r not in ok))
+        out.append(row)
+    return add_relative(out)
+
+
+def auto_vs_best(rows):
+    """Every ``hvd_topk auto`` run against the fastest fixed mode (any other mode, at auto's ratio or
+    uncompressed) and against dense of the same example, ranks, link, cycle time and repeat."""
+    ok = [r for r in rows if r["status"] == "ok" and "step_s" in r]
+
+    def cell(r):
+        return r["example"], r["ranks"], r["bandwidth"], r["cycle_ms"], r.get("repeat", 0)
+
+    out = []
+    for a in ok:
+        if a["label"] != "hvd_topk auto":
+            continue
+        fixed = [r for r in ok if r["label"] != "hvd_topk auto" and cell(r) == cell(a)
+                 and r.get("ratio") in (None, a.get("ratio"))]
+        if not fixed:
+            continue
+        best = min(fixed, key=lambda r: r["step_s"])
+        dense = next((r for r in fixed if r["label"] == "dense"), None)
+        out.append({"example": a["example"], "ranks": a["ranks"], "bandwidth": a["bandwidth"],
+                    "cycle_ms": a["cycle_ms"], "repeat": a.get("repeat", 0), "ratio": a.get("ratio"),
+                    "auto_s": a["step_s"], "best": _mode_name(best), "best_s": best["step_s"],
+                    "vs_best": a["step_s"] / best["step_s"] - 1,
+                    "vs_dense": None if dense is None else a["step_s"] / dense["step_s"] - 1})
+    return out
+
+
 # -- outputs --------------------------------------------------------------------------------------------
 STEPS_COLUMNS = ["run_id", "status", "example", "model", "label", "compression", "communication", "scheme",
-                 "ratio", "ranks", "bandwidth", "burst", "cycle_ms", "num_params", "steps", "measured_steps",
-                 "step_s", "step_s_p10", "step_s_p90", "speedup_vs_dense", "speedup_vs_fp16", "link_bytes",
+                 "ratio", "ranks", "bandwidth", "burst", "cycle_ms", "repeat", "repeats", "num_params", "steps",
+                 "measured_steps", "step_s", "step_s_runs", "step_s_p10", "step_s_p90", "speedup_vs_dense", "speedup_vs_fp16", "link_bytes",
                  "theoretical_bytes", "measured_over_theoretical", "excess_bytes", "cp_idle_bytes_per_s_per_rank",
                  "cp_bound_bytes", "bytes_vs_dense", "bytes_vs_fp16", "params_identical",
                  "test_accuracy", "test_loss", "wall_s", "job_s", "est_s", "command", "error"]
@@ -704,8 +771,9 @@ def _fmt(v, spec=",.0f", suffix=""):
     return "-" if v is None or v == "" else format(v, spec) + suffix
 
 
-def checks(steps, acc):
-    """The issue's targets: list of (target, met: True/False/None for no data, numbers)."""
+def checks(steps, acc, runs=None):
+    """The targets: list of (target, met: True/False/None for no data, numbers). ``steps`` are the
+    cells (medians when the grid was repeated), ``runs`` every repeat's runs (or None)."""
     out = []
     ok = [r for r in steps if r["status"] == "ok" and "link_bytes" in r]
     comp = [r for r in ok if r.get("ratio") is not None and r.get("measured_over_theoretical")]
@@ -752,6 +820,21 @@ def checks(steps, acc):
     noniid = [r for r in acc_ok if r["non_iid"]]
     out.append(("(4) non-IID reported", bool(noniid) if acc else None,
                 f"{len(noniid)} non-IID runs in the accuracy table" if acc else "no data"))
+    per_repeat = auto_vs_best(runs or [])
+    for c in auto_vs_best(steps):
+        unlimited = c["bandwidth"] == "unlimited"
+        met = c["vs_best"] <= 0.05 and not (unlimited and c["vs_dense"] is not None and c["vs_dense"] > 0.05)
+        text = (f"auto {c['auto_s'] * 1e3:,.1f} ms, best fixed {c['best']} {c['best_s'] * 1e3:,.1f} ms: "
+                f"{100 * c['vs_best']:+.1f}%")
+        if unlimited and c["vs_dense"] is not None:
+            text += f"; vs dense {100 * c['vs_dense']:+.1f}%"
+        same = [x for x in per_repeat if (x["example"], x["ranks"], x["bandwidth"], x["cycle_ms"], x["ratio"])
+                == (c["example"], c["ranks"], c["bandwidth"], c["cycle_ms"], c["ratio"])]
+        if same:
+            text += (f" (medians of {len(same)} repeats; each repeat vs its best fixed mode: "
+                     + ", ".join(f"{100 * x['vs_best']:+.1f}%" for x in same) + ")")
+        out.append((f"(auto) {c['ranks']} ranks, {c['bandwidth']}, ratio {c['ratio']:g}: auto within 5% of the "
+                    "best fixed mode" + (" and of dense" if unlimited else ""), met, text))
     return out
 
 
@@ -831,11 +914,12 @@ def notes(o):
     ]
 
 
-def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
-    """report.md: check list, setup, control plane, step tables, TTA, accuracy, notes, commands."""
+def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command, runs=None):
+    """report.md: check list, setup, control plane, step tables (medians with ``runs``, every repeat's
+    runs, after --repeats), repeats, TTA, accuracy, notes, commands."""
     L = ["# Evidence: step time, link bytes, time to accuracy and accuracy of Top-K compression", ""]
     L += ["## Targets", "", "| target | status | numbers |", "|---|---|---|"]
-    for name, met, text in checks(steps, acc):
+    for name, met, text in checks(steps, acc, runs):
         L.append(f"| {name} | {'met' if met else 'not met' if met is False else 'no data'} | {text} |")
     L += ["", "## Setup", ""] + machine_facts() + [
         f"- Links: every job in a fresh network namespace; loopback MTU 9000; `tc tbf rate R burst {o.burst} "
@@ -845,7 +929,10 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
         "included; fusion threshold and response cache at Horovod's defaults (128 MiB, on).",
         f"- Steps part: {o.warmup} warm-up steps skipped, then {o.min_measured}..{o.max_measured} measured steps "
         "(fewer when a step is slow); step time = median of the measured steps; link bytes = sum of the "
-        "measured steps' loopback tx bytes / steps / ranks.",
+        "measured steps' loopback tx bytes / steps / ranks."
+        + (f" The grid ran {max(r['repeat'] for r in runs)} times in turn (every mode once per repeat); every "
+           "figure of the step tables is the median over the repeats (each run's step time is in the Repeats "
+           "section)." if runs else ""),
         f"- Command: `{command}`", ""]
     L += ["## Horovod's control plane and per-collective overhead (measured)", "",
           "A probe job per link: its ranks first sit idle between two barriers, yet bytes flow: the Gloo "
@@ -888,6 +975,8 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
                          f"{_fmt(r.get('bytes_vs_dense'), '.4f')} | "
                          f"{'yes' if r.get('params_identical') else 'NO'} |")
             L.append("")
+    if runs:
+        L += _repeats_section(runs)
     if cycle:
         L += ["## Control plane against HOROVOD_CYCLE_TIME", "",
               "The same runs at several cycle times (the cycle part): a longer cycle means fewer "
@@ -939,10 +1028,39 @@ def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command):
         L.append("")
     L += notes(o) + [""]
     L += ["## Commands of the runs", "", "<details><summary>every job's command line</summary>", "", "```"]
-    L += [r.get("command", "") for r in steps + tta + acc if r.get("command")]
+    L += [r.get("command", "") for r in (runs or steps) + tta + acc if r.get("command")]
     L += ["```", "", "</details>", ""]
     with open(path, "w") as f:
         f.write("\n".join(L))
+
+
+def _repeats_section(runs):
+    """Markdown: each repeat's step time per cell, and auto against the best fixed mode per repeat."""
+    n = max(r["repeat"] for r in runs)
+    L = ["## Repeats", "", f"Step ms of every run; the grid ran {n} times in turn.", ""]
+    for ranks in sorted({r["ranks"] for r in runs}):
+        for bw in [b for b in BANDWIDTHS if any(r["bandwidth"] == b and r["ranks"] == ranks for r in runs)]:
+            rs = [r for r in runs if r["ranks"] == ranks and r["bandwidth"] == bw]
+            L += [f"### {ranks} ranks, {bw}", "", "| mode | " + " | ".join(f"run {i}" for i in range(1, n + 1))
+                  + " | median |", "|---|" + "---:|" * (n + 1)]
+            for name in dict.fromkeys(_mode_name(r) for r in rs):
+                times = {r["repeat"]: r["step_s"] for r in rs if _mode_name(r) == name and r["status"] == "ok"
+                         and "step_s" in r}
+                cells = [f"{times[i] * 1e3:,.1f}" if i in times else "failed" for i in range(1, n + 1)]
+                median = f"{statistics.median(times.values()) * 1e3:,.1f}" if times else "-"
+                L.append(f"| {name} | " + " | ".join(cells) + f" | {median} |")
+            L.append("")
+    auto = auto_vs_best(runs)
+    if auto:
+        L += ["Auto against the fastest fixed mode of the same repeat:", "",
+              "| ranks | link | ratio | run | auto ms | best fixed | its ms | auto vs best | auto vs dense |",
+              "|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+        for c in auto:
+            L.append(f"| {c['ranks']} | {c['bandwidth']} | {c['ratio']:g} | {c['repeat']} | {c['auto_s'] * 1e3:,.1f} | "
+                     f"{c['best']} | {c['best_s'] * 1e3:,.1f} | {100 * c['vs_best']:+.1f}% | "
+                     + ("-" if c["vs_dense"] is None else f"{100 * c['vs_dense']:+.1f}%") + " |")
+        L.append("")
+    return L
 
 
 # -- the driver -----------------------------------------------------------------------------------------
@@ -1004,10 +1122,14 @@ def build_outputs(o, results, cp, command):
                 row.update(_record_fields(record))
             acc.append(row)
     add_relative(steps)
+    runs = None
+    if any(r.get("repeat") for r in steps):      # --repeats: the cells are the medians of the runs
+        runs, steps = steps, median_rows(steps)
     add_relative(cycle)
     add_vs_dense_accuracy(acc)
     written = []
-    for name, rows, cols in (("steps.csv", steps, STEPS_COLUMNS), ("cycle.csv", cycle, STEPS_COLUMNS),
+    for name, rows, cols in (("steps.csv", steps, STEPS_COLUMNS), ("steps_runs.csv", runs, STEPS_COLUMNS),
+                             ("cycle.csv", cycle, STEPS_COLUMNS),
                              ("control_plane.csv", cp, CP_COLUMNS),
                              ("tta.csv", tta, TTA_COLUMNS), ("accuracy.csv", acc, ACC_COLUMNS)):
         if rows:
@@ -1018,7 +1140,7 @@ def build_outputs(o, results, cp, command):
                   ["run_id", "label", "bandwidth", "step", "epoch", "wall_s", "test_loss", "test_acc"])
         written.append("tta_curves.csv")
     pngs = plot_all(o.out, steps, tta, curves)
-    write_report(os.path.join(o.out, "report.md"), o, steps, cycle, cp, tta, acc, pngs, command)
+    write_report(os.path.join(o.out, "report.md"), o, steps, cycle, cp, tta, acc, pngs, command, runs)
     return written + pngs + ["report.md"]
 
 
@@ -1036,6 +1158,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, help="steps skipped before measuring")
     p.add_argument("--min-measured", type=int, help="measured steps, at least")
     p.add_argument("--max-measured", type=int, help="measured steps, at most")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="steps part: run the grid this many times in turn; tables show each cell's median")
     p.add_argument("--step-seconds", type=float, help="measured stepping time a run aims at (estimate)")
     p.add_argument("--idle-seconds", type=float, help="control-plane probe: seconds idle")
     p.add_argument("--cycle-times", help="cycle part: HOROVOD_CYCLE_TIME values (ms), comma-separated")
@@ -1092,6 +1216,8 @@ def parse_args(argv):
     for ex in o.tta_examples:
         if ex not in o.tta_target:
             p.error(f"--tta-target has no entry for {ex}")
+    if o.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {o.repeats}")
     if o.warmup < 0 or o.min_measured < 1 or o.max_measured < o.min_measured:
         p.error("need --warmup >= 0 and 1 <= --min-measured <= --max-measured")
     if min(o.ranks + [o.tta_ranks, o.accuracy_ranks, o.cycle_ranks]) < 2:

@@ -93,6 +93,59 @@ def test_dry_run_prints_the_plan():
     assert "estimated" in out and "steps-cnn-wide-dense-n4-100mbit" in out and "accuracy-lm" in out
 
 
+def test_repeats_interleave_the_grid():
+    o = evidence.parse_args(["--part", "steps", "--ranks", "2", "--bandwidths", "1gbit", "--ratios", "0.01",
+                             "--modes", "dense,hvd_topk artopk,hvd_topk auto", "--repeats", "3"])
+    ids = [r.run_id for r in evidence.plan(o)]
+    cells = ["steps-cnn-wide-dense-n2-1gbit", "steps-cnn-wide-hvd-topk-artopk-r0.01-n2-1gbit",
+             "steps-cnn-wide-hvd-topk-auto-r0.01-n2-1gbit"]
+    assert ids == [f"{c}-rep{i}" for i in (1, 2, 3) for c in cells]     # every mode once, then again
+    once = evidence.parse_args(["--part", "steps", "--ranks", "2", "--bandwidths", "1gbit", "--ratios", "0.01",
+                                "--modes", "dense"])
+    assert [r.run_id for r in evidence.plan(once)] == [cells[0]]
+    with pytest.raises(SystemExit):
+        evidence.parse_args(["--repeats", "0"])
+
+
+def _steps_row(label, repeat, step_ms, link_bytes, ratio=0.01, status="ok"):
+    row = {"run_id": f"steps-x-{label}-rep{repeat}", "status": status, "example": "cnn-wide", "label": label,
+           "ratio": None if label == "dense" else ratio, "ranks": 2, "bandwidth": "unlimited", "cycle_ms": "20",
+           "repeat": repeat, "error": "" if status == "ok" else "boom", "params_identical": True}
+    if status == "ok":
+        row.update(step_s=step_ms / 1e3, link_bytes=link_bytes, measured_steps=20)
+    return row
+
+
+def test_medians_over_repeats_and_auto_against_the_best_fixed_mode():
+    ms = {"dense": (100, 90, 95), "hvd_topk artopk": (80, 84, 96), "hvd_topk allgather": (79, 99, 83),
+          "hvd_topk auto": (84, 80, 81)}
+    runs = [_steps_row(label, i + 1, t[i], 1e6 if label == "dense" else 1e4) for label, t in ms.items()
+            for i in range(3)]
+    runs.append(_steps_row("fp16", 1, 50, 5e5, status="failed"))      # a cell with no successful run
+    evidence.add_relative(runs)
+    assert runs[0]["speedup_vs_dense"] == 1.0 and runs[3]["speedup_vs_dense"] == 100 / 80   # same repeat's dense
+    cells = {r["label"]: r for r in evidence.median_rows(runs)}
+    assert cells["hvd_topk artopk"]["step_s"] == 0.084 and cells["hvd_topk artopk"]["repeats"] == 3
+    assert cells["hvd_topk artopk"]["step_s_runs"] == "80.0/84.0/96.0"
+    assert cells["hvd_topk artopk"]["run_id"] == "steps-x-hvd_topk artopk"
+    assert cells["hvd_topk artopk"]["speedup_vs_dense"] == 0.095 / 0.084
+    assert cells["fp16"]["status"] == "failed" and cells["fp16"]["repeats"] == 0
+    per_repeat = evidence.auto_vs_best(runs)
+    assert [(c["repeat"], c["best"]) for c in per_repeat] == [(1, "hvd_topk allgather 0.01"),
+                                                              (2, "hvd_topk artopk 0.01"),
+                                                              (3, "hvd_topk allgather 0.01")]
+    assert [round(c["vs_best"], 4) for c in per_repeat] == [round(84 / 79 - 1, 4), round(80 / 84 - 1, 4),
+                                                            round(81 / 83 - 1, 4)]
+    (median,) = evidence.auto_vs_best(list(cells.values()))
+    assert median["best"] == "hvd_topk allgather 0.01" and median["vs_best"] == 0.081 / 0.083 - 1
+    assert median["vs_dense"] == 0.081 / 0.095 - 1
+    (target,) = [c for c in evidence.checks(list(cells.values()), [], runs) if c[0].startswith("(auto)")]
+    assert target[1] is True and "+6.3%, -4.8%, -2.4%" in target[2]
+    slow = [dict(r, step_s=0.2) if r["label"] == "hvd_topk auto" else r for r in cells.values()]
+    (target,) = [c for c in evidence.checks(slow, []) if c[0].startswith("(auto)")]
+    assert target[1] is False
+
+
 needs_tc = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                               reason="the grid needs root, ip and tc (network namespaces with tbf)")
 
