@@ -7,6 +7,8 @@ Launch (2 ranks, Gloo, on this machine):
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression none
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression topkef --ratio 0.01
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk --ratio 0.01
+    horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk --ratio 0.01 \
+        --compress update --dense-steps 100      # every rank's AdamW update compressed (see README)
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression topkef --non-iid
     horovodrun -np 4 -H localhost:4 --gloo python examples/char_lm.py --n-layer 6 --d-model 256 \
         --block-size 256 --data my_corpus.txt --tensorboard runs/lm
@@ -317,7 +319,9 @@ def main():
         opt.zero_grad()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        if args.grad_clip > 0:   # clip the averaged gradient, identical on every rank
+        # Clip the averaged gradient, identical on every rank (with --compress update the gradients
+        # stay local, so each rank clips its own).
+        if args.grad_clip > 0:
             opt.synchronize()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             with opt.skip_synchronize():

@@ -55,6 +55,9 @@ def add_compression_args(parser):
     g.add_argument("--momentum-correction", choices=["auto", "on", "off"], default="auto",
                    help="hvd_topk: DGC momentum correction (auto: on for SGD with momentum)")
     g.add_argument("--warmup-epochs", type=int, default=0, help="hvd_topk: DGC warm-up epochs")
+    g.add_argument("--compress", choices=["gradient", "update"], default="gradient",
+                   help="hvd_topk: compress the gradients (the optimizer steps on their aggregate) or every "
+                        "rank's own optimizer update (for Adam; the optimizer's state is then per rank)")
     g.add_argument("--dense-steps", type=int, default=0,
                    help="hvd_topk: send the first N steps dense (a warm-up stage for Adam's statistics)")
     g.add_argument("--adaptive-ratio", action="store_true",
@@ -110,11 +113,12 @@ def make_distributed_optimizer(args, model, base_opt):
             communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
             dense_steps=args.dense_steps, selection=args.selection,
             momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
-            adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every,
+            adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every, compress=args.compress,
             **({} if args.adaptive_weight is None else {"adaptive_weight": args.adaptive_weight}))
         return opt, None
-    if args.adaptive_ratio or args.communication == "auto" or args.dense_steps:
-        raise ValueError("--adaptive-ratio, --communication auto and --dense-steps need --compression hvd_topk")
+    if args.adaptive_ratio or args.communication == "auto" or args.dense_steps or args.compress != "gradient":
+        raise ValueError("--adaptive-ratio, --communication auto, --dense-steps and --compress update need "
+                         "--compression hvd_topk")
     comp = None
     if args.compression == "topkef":
         comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel)
@@ -157,7 +161,8 @@ class RunLog:
             "example": example, "compression": args.compression,
             "optimizer": getattr(args, "optimizer", None),
             "ratio": args.ratio if args.compression in ("topkef", "hvd_topk") else None,
-            "communication": _communication(args), "ranks": self.size,
+            "communication": _communication(args),
+            "compress": args.compress if args.compression == "hvd_topk" else None, "ranks": self.size,
             "model": model_name, "dataset": dataset, "non_iid": bool(non_iid),
             "num_params": sum(p.numel() for p in model.parameters()),
             "tensors": [[name, p.numel(), p.dim()] for name, p in model.named_parameters()],

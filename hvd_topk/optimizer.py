@@ -4,6 +4,12 @@ Built like Horovod's own factory: a dynamic subclass of the user's optimizer cla
 Horovod's ``_DistributedOptimizer`` with one extension point replaced: ``_allreduce_grad_async(p)``
 returns a *callable* handle (Horovod's ``synchronize`` calls it) that finishes our transport and
 returns the aggregated dense gradient. Horovod itself is not edited or patched.
+
+With ``compress='update'`` the gradients stay local: at ``step()`` every rank runs the wrapped
+optimizer on its own gradient, takes the change it made to the parameters (the update), puts the
+parameters back, and sends the update through error feedback and the transport; the aggregated update
+is then added on every rank. For Adam-type optimizers, whose per-element normalisation undoes error
+feedback on gradients (an element sent once every 100 steps moves by about one step's worth, not 100).
 """
 import math
 import numbers
@@ -25,9 +31,10 @@ from .memory import ResidualMemory
 from .sparsify import k_for, scatter_dense, sq_norm_finite, topk_indices
 from .stats import StepStats
 
-__all__ = ["DistributedOptimizer", "COMMUNICATIONS", "LEADERS", "SELECTIONS"]
+__all__ = ["DistributedOptimizer", "COMMUNICATIONS", "LEADERS", "SELECTIONS", "COMPRESSES"]
 
 COMMUNICATIONS = ("artopk", "allgather", "dense", "auto")
+COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
 STATE_KEY = "hvd_topk"
@@ -53,7 +60,8 @@ class _TopKState:
     """Everything hvd_topk keeps per optimizer, per rank. Never broadcast (residuals are per rank)."""
 
     def __init__(self, names, compression, communication, selection, leader, value_dtype, warmup_steps,
-                 warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler, tuner, dense_steps=0):
+                 warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler, tuner, dense_steps=0,
+                 compress="gradient"):
         # configuration
         self.ratio = compression.ratio        # moved by the adaptive ratio (identical on all ranks)
         self.ratio_change = None              # (first step, ratio): a decided change not yet in effect
@@ -64,6 +72,7 @@ class _TopKState:
         self.communication, self.leader, self.value_dtype = communication, leader, value_dtype
         self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
         self.dense_steps = dense_steps        # the first steps send everything (density 1)
+        self.compress = compress              # "gradient", or "update": the local optimizer's change
         self.clip_grad_norm, self.grad_scaler = clip_grad_norm, grad_scaler
         self.op = op
         self.prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
@@ -120,19 +129,19 @@ class _TopKState:
 
     # -- one parameter -----------------------------------------------------------------------------
 
-    def submit(self, p, name):
-        """Start the transport of p's gradient; returns a callable giving the aggregated gradient."""
+    def submit(self, p, name, update=None):
+        """Start the transport of p's gradient (or, with compress='update', of ``update``: this rank's
+        change of p, sent as it is); returns a callable giving the aggregate."""
         if self.leader == "var" and self.score_handle is not None:
             self.scores = mpi_ops.synchronize(self.score_handle).reshape(-1)
             self.score_handle = None
-        g = p.grad.reshape(-1)
-        if self.grad_scaler is not None:
-            g = g * (1.0 / self.grad_scaler.get_scale())
-        if self.clip_grad_norm is not None:
-            limit = self.clip_grad_norm / math.sqrt(mpi_ops.size())
-            norm = float(g.norm())
-            if norm > limit:
-                g = g * (limit / norm)
+        if update is not None:
+            g = update.reshape(-1)
+        else:
+            g = p.grad.reshape(-1)
+            if self.grad_scaler is not None:
+                g = g * (1.0 / self.grad_scaler.get_scale())
+            g = self.clip_local(g)
         mom = self.momentum.get(name)
         u_new = None
         if mom is not None:
@@ -150,6 +159,15 @@ class _TopKState:
         if not self.is_sparse(p):
             return self._submit_dense(p, name, g, u_new)
         return self._submit_sparse(p, name, g, u_new)
+
+    def clip_local(self, g):
+        """Local gradient clipping (DGC): g scaled to norm clip_grad_norm * size**-0.5 if it is longer."""
+        if self.clip_grad_norm is not None:
+            limit = self.clip_grad_norm / math.sqrt(mpi_ops.size())
+            norm = float(g.norm())
+            if norm > limit:
+                g = g * (limit / norm)
+        return g
 
     def _submit_dense(self, p, name, g, u_new):
         """Plain allreduce (momentum, if corrected, is applied locally first: it is linear). Out of
@@ -418,12 +436,16 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
 def _allreduce_grad_async(self, p):
     if p.grad is None:
         p.grad = p.data.new(p.size()).zero_()
+    if self._hvd_topk.compress == "update":
+        return (lambda: p.grad), None          # the gradient stays local; step() sends the update
     return self._hvd_topk.submit(p, self._parameter_names.get(p)), None
 
 
 def _synchronize(self):
     t0 = time.perf_counter()
     _DistributedOptimizer.synchronize(self)
+    if self._hvd_topk.compress == "update":
+        return                                 # nothing was sent: the gradients are this rank's own
     if self._hvd_topk.end_step(comm_s=time.perf_counter() - t0):
         # Non-finite somewhere: every gradient of the step is NaN on every rank, so a loss scaler
         # (or the check in step()) skips the whole step, which the untouched residuals assume.
@@ -439,11 +461,51 @@ def _step(self, closure=None):
                           "optimizer.synchronize(); this synchronizes twice")
         self.synchronize()
     self._synchronized = False
+    if self._hvd_topk.compress == "update":
+        return _update_step(self, closure)
     if self._hvd_topk.stats.last().get("skipped"):
         warnings.warn("hvd_topk: a gradient was non-finite on some rank; the step is skipped on every "
                       "rank and residuals are unchanged")
         return None
     return super(self.__class__, self).step(closure)
+
+
+def _update_step(self, closure):
+    """compress='update': the wrapped optimizer steps on this rank's gradient; its change of every
+    parameter goes through error feedback and the transport, and the aggregate is added on every rank
+    (the parameters stay identical: all start from the same values and add the same aggregate)."""
+    state = self._hvd_topk
+    t0 = time.perf_counter()
+    params = [q for group in self.param_groups for q in group["params"]
+              if q.requires_grad and q.grad is not None]
+    # Agree on finiteness before anything changes: a non-finite gradient on any rank skips the step on
+    # every rank, with the local optimizer's state (Adam's moments) and the residuals untouched.
+    bad = sum(1 for q in params if not bool(torch.isfinite(q.grad).all()))
+    if mpi_ops.allreduce(torch.tensor([float(bad)]), name="hvd_topk.update.finite", op=Sum).item() > 0:
+        state.nonfinite = True
+        state.end_step(comm_s=time.perf_counter() - t0)
+        warnings.warn("hvd_topk: a gradient was non-finite on some rank; the step is skipped on every "
+                      "rank; the optimizer's state and the residuals are unchanged")
+        return None
+    if state.clip_grad_norm is not None:
+        for q in params:
+            q.grad.copy_(state.clip_local(q.grad))
+    before = [q.detach().clone() for q in params]
+    loss = super(self.__class__, self).step(closure)
+    finishes = []
+    with torch.no_grad():
+        for q, q0 in zip(params, before):
+            update = q.sub(q0)
+            q.copy_(q0)                        # bit for bit the value every rank holds
+            finishes.append((q, state.submit(q, self._parameter_names.get(q), update=update)))
+        outs = [(q, finish()) for q, finish in finishes]
+        if state.end_step(comm_s=time.perf_counter() - t0):
+            warnings.warn("hvd_topk: an update was non-finite on some rank; it is not applied on any "
+                          "rank and residuals are unchanged")
+            return loss
+        for q, out in outs:
+            q.add_(out)
+    return loss
 
 
 def _zero_grad(self, set_to_none=True):
@@ -504,7 +566,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
                          communication="artopk", leader="star", value_dtype=None, grad_scaler=None,
                          selection="layerwise", adaptive_ratio=None, adaptive_weight=DEFAULT_WEIGHT, auto_every=50,
-                         dense_steps=0):
+                         dense_steps=0, compress="gradient"):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
 
     Args:
@@ -539,6 +601,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         adaptive_weight: exponent w of the gain in the adaptive ratio's J(c) = T(c) / G(c)**w, >= 0
             (0.3: measured, see ``hvd_topk.auto``).
         auto_every: steps between the automatic checks (ratio, drift), int >= 2.
+        compress: ``'gradient'`` (error feedback on the gradients; the optimizer steps on their
+            aggregate, as in Horovod) or ``'update'`` (every rank steps the optimizer on its own
+            gradient; error feedback, the transport and the ratio apply to the change it makes to the
+            parameters; the aggregated change is added on every rank). ``'update'`` is for Adam-type
+            optimizers: their per-element normalisation undoes error feedback on gradients. The
+            optimizer's state (momentum, Adam's moments) is then per rank, like the residuals (save
+            it with ``hvd_topk.save_checkpoint``); the communication starts at ``step()``, not during
+            the backward pass; ``clip_grad_norm`` clips the local gradients before the local step; a
+            gradient clipped between ``synchronize()`` and ``step()`` is this rank's own. Not with
+            momentum_correction (the momentum stays in the local optimizer) or grad_scaler. With
+            ratio 1.0 it averages the local updates: dense Horovod for plain SGD, not for Adam.
 
     Returns:
         An optimizer of a subclass of ``optimizer``'s class with Horovod's ``synchronize()``,
@@ -551,6 +624,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     """
     if communication not in COMMUNICATIONS:
         raise ValueError(f"communication must be one of {COMMUNICATIONS}, got {communication!r}")
+    if compress not in COMPRESSES:
+        raise ValueError(f"compress must be one of {COMPRESSES}, got {compress!r}")
+    if compress == "update" and momentum_correction:
+        raise ValueError("momentum_correction=True cannot be used with compress='update' (the local "
+                         "optimizer keeps its momentum; its update is what is compressed)")
+    if compress == "update" and grad_scaler is not None:
+        raise ValueError("grad_scaler cannot be used with compress='update' (use it with "
+                         "compress='gradient', or unscaled gradients)")
     if selection not in SELECTIONS:
         raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
     if leader not in LEADERS:
@@ -587,7 +668,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         tuner = AutoTuner(communication == "auto", ratios, weight=float(adaptive_weight), every=int(auto_every))
     has_momentum = any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
     if momentum_correction is None:
-        momentum_correction = has_momentum
+        momentum_correction = has_momentum and compress == "gradient"
     elif momentum_correction and not has_momentum:
         raise ValueError("momentum_correction=True needs an optimizer with momentum > 0 "
                          f"(got {type(optimizer).__name__} without momentum)")
@@ -595,7 +676,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
     state = _TopKState([n for n, _ in named_parameters], compression, communication, selection, leader, value_dtype,
                        warmup_steps, warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler,
-                       tuner, dense_steps)
+                       tuner, dense_steps, compress)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
     return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,

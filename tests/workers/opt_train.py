@@ -20,6 +20,7 @@ p.add_argument("--communication", default="artopk")
 p.add_argument("--leader", default="star")
 p.add_argument("--selection", default="layerwise")
 p.add_argument("--ratio", type=float, default=0.01)
+p.add_argument("--compress", choices=["gradient", "update"], default="gradient")
 p.add_argument("--min-numel", type=int, default=64)
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--width", type=int, default=64)
@@ -76,17 +77,28 @@ else:
         warmup_steps=args.warmup_steps, dense_steps=args.dense_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
         value_dtype=None if args.value_dtype == "none" else torch.float16,
         adaptive_ratio=True if args.adaptive_ratio else None, adaptive_weight=args.adaptive_weight,
-        auto_every=args.auto_every)
+        auto_every=args.auto_every, compress=args.compress)
     if hvd.rank() == args.skew_clock_rank:      # decisions must not depend on one rank's timings
         opt._hvd_topk.clock = lambda: 5.0 * time.perf_counter()
 start = 0
-if args.resume:
+if args.resume and args.compress == "gradient":
     start = hvd_topk.load_checkpoint(args.resume, model, opt)["next_step"]
 # After a resume too: broadcasting must not overwrite the per-rank residuals just loaded (the resume
 # test would see it, since every rank's residuals differ).
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(opt, root_rank=0)
+if args.resume and args.compress == "update":
+    # compress='update': the wrapped optimizer's state is per rank too, and Horovod's broadcast would
+    # overwrite it with rank 0's: load after broadcasting (as the examples always do).
+    start = hvd_topk.load_checkpoint(args.resume, model, opt)["next_step"]
 initial = {n: q.detach().clone() for n, q in model.named_parameters()}
+
+def inner_state(o):
+    """The wrapped optimizer's own per-parameter state (momentum buffers, Adam's moments and step)."""
+    names = {q: n for n, q in model.named_parameters()}
+    return {("opt", names[q], k): v.clone() for q, st in o.state.items() for k, v in st.items()
+            if torch.is_tensor(v)}
+
 
 current = {"step": -1}
 model[2].weight.register_hook(
@@ -115,6 +127,7 @@ for step in range(start, args.steps):
     if args.mode == "hvd_topk":
         snapshot = {k: None if v is None else v.clone() for k, v in opt._hvd_topk.residuals.residuals.items()}
         snapshot.update({("u", k): v.clone() for k, v in opt._hvd_topk.velocities.items()})
+        snapshot.update(inner_state(opt))
     if scaler is not None:
         opt.synchronize()
         with opt.skip_synchronize():
@@ -125,6 +138,7 @@ for step in range(start, args.steps):
     if step == args.overflow_step:
         now = {k: None if v is None else v.clone() for k, v in opt._hvd_topk.residuals.residuals.items()}
         now.update({("u", k): v.clone() for k, v in opt._hvd_topk.velocities.items()})
+        now.update(inner_state(opt))
         skipped.append({
             "params_unchanged": all(torch.equal(before[n], q) for n, q in model.named_parameters()),
             "state_unchanged": now.keys() == snapshot.keys() and all(
@@ -141,4 +155,5 @@ result = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}
 if args.mode == "hvd_topk":
     result["state"] = opt.state_dict()["hvd_topk"]
     result["auto"] = opt.auto_state()
+    result["inner"] = inner_state(opt)
 torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))

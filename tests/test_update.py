@@ -1,0 +1,135 @@
+"""compress='update': every rank steps the wrapped optimizer on its own gradient and the change it makes
+to the parameters goes through error feedback and the transport. Checked against a reference optimizer
+stepped on the same gradients (error-feedback invariant on the updates), on real 2- and 3-rank jobs
+(identical parameters, dense Horovod at ratio 1.0 for plain SGD, a non-finite rank skipping the step
+with every state untouched, bit-identical resume of the per-rank optimizer state)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hvd_topk
+from hvd_topk import TopKEF
+from hvd_topk.sparsify import k_for
+
+from conftest import assert_identical_across_ranks
+
+
+def make(model, base, **kw):
+    return hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"compress": "weights"}, "compress must be one of"),
+    ({"compress": "update", "momentum_correction": True}, "momentum_correction=True cannot be used with "
+                                                          "compress='update'"),
+    ({"compress": "update", "grad_scaler": torch.amp.GradScaler("cpu")}, "grad_scaler cannot be used with "
+                                                                        "compress='update'"),
+])
+def test_bad_arguments_raise_value_error_naming_them(hvd, kw, match):
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=match):
+        make(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), **kw)
+
+
+def test_momentum_stays_in_the_local_optimizer(hvd):
+    model = nn.Linear(64, 64)
+    opt = make(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
+               compress="update")
+    assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["weight_decay"] == 1e-4
+    assert opt._hvd_topk.momentum == {}
+
+
+@pytest.mark.parametrize("communication", ["artopk", "allgather"])
+def test_error_feedback_invariant_on_adamw_updates(hvd, communication):
+    """Σ sent + residual = Σ local AdamW updates, the updates taken by a reference AdamW stepped on the
+    same gradients from the same parameters (world size 1: the aggregate is this rank's sent)."""
+    torch.manual_seed(0)
+    model = nn.Linear(100, 50).double()           # weight: compressed; bias (1-D): sent whole
+    reference = copy.deepcopy(model)
+    opt = make(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+               compression=TopKEF(ratio=0.02, min_numel=0), communication=communication, compress="update")
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    start = model.weight.detach().clone()
+    total_update = torch.zeros_like(start)
+    k = k_for(5000, 0.02)
+    for _ in range(20):
+        x = torch.randn(4, 100, dtype=torch.float64)
+        with torch.no_grad():
+            for a, b in zip(reference.parameters(), model.parameters()):
+                a.copy_(b)
+        ref_opt.zero_grad()
+        reference(x).pow(2).sum().backward()
+        ref_opt.step()
+        total_update += reference.weight.detach() - model.weight.detach()
+        before = model.weight.detach().clone()
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+        assert int((model.weight != before).sum()) == k                 # only the top-k elements moved
+        # a dense tensor: the whole update (p0 + (p1 - p0) may round p1 in its last bit)
+        torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=1e-15)
+    residual = opt._hvd_topk.residuals.residuals["weight"].reshape(start.shape)
+    torch.testing.assert_close(model.weight.detach() - start + residual, total_update, rtol=0, atol=1e-12)
+    assert float(residual.norm()) > 0
+    # the local AdamW stepped exactly once per step, on the local gradient
+    assert opt.state[model.weight]["step"] == ref_opt.state[reference.weight]["step"] == 20
+    torch.testing.assert_close(opt.state[model.weight]["exp_avg_sq"], ref_opt.state[reference.weight]["exp_avg_sq"],
+                               rtol=0, atol=0)
+
+
+# -- real multi-rank jobs --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("communication,selection,np", [("artopk", "layerwise", 2), ("allgather", "layerwise", 2),
+                                                        ("artopk", "global", 3), ("auto", "layerwise", 2)])
+def test_params_identical_with_local_adam(run_ranks, communication, selection, np):
+    results = run_ranks(np, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--weight-decay", 1e-4,
+                        "--steps", 60, "--communication", communication, "--selection", selection,
+                        "--ratio", 0.05, "--auto-every", 10, "--dense-steps", 3, timeout=300)
+    assert_identical_across_ranks(results)
+    last = results[0]["stats"][-1]
+    if communication == "auto":              # its plan (dense is right for a model this small) is agreed
+        assert results[0]["auto"]["history"] and all(r["auto"] == results[0]["auto"] for r in results)
+    else:
+        assert 0 < last["compression_gain"] < 1 and last["residual_norm"] > 0
+    assert not torch.equal(results[0]["params"]["0.weight"], results[0]["initial"]["0.weight"])
+    # the local optimizers' states differ (each saw its own gradients); the parameters do not
+    key = ("opt", "0.weight", "exp_avg")
+    assert not torch.equal(results[0]["inner"][key], results[1]["inner"][key])
+
+
+def test_ratio_one_with_plain_sgd_reproduces_dense_horovod(run_ranks):
+    """Plain SGD is linear in the gradient, so the mean of the local updates is dense Horovod's update."""
+    common = ["--steps", 12, "--momentum", 0, "--dtype", "float64", "--lr", 0.05]
+    dense = run_ranks(2, "opt_train.py", "--mode", "stock", *common)
+    ours = run_ranks(2, "opt_train.py", "--compress", "update", "--ratio", 1.0, *common)
+    for name, value in dense[0]["params"].items():
+        torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(dense[0]["params"]["0.weight"], dense[0]["initial"]["0.weight"])
+
+
+@pytest.mark.parametrize("one_tensor", [False, True])
+def test_non_finite_on_one_rank_skips_the_step_and_keeps_every_state(run_ranks, one_tensor):
+    """Rank 1's gradient is non-finite at step 5: no rank steps its optimizer (Adam's moments unchanged),
+    residuals and parameters unchanged on both; step 6 goes on."""
+    results = run_ranks(2, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--steps", 10,
+                        "--overflow-rank", 1, "--overflow-step", 5, "--ratio", 0.05,
+                        *(["--overflow-one-tensor"] if one_tensor else []))
+    assert_identical_across_ranks(results)
+    for res in results:
+        (skip,) = res["skipped"]
+        assert skip["had_residuals"] and skip["state_unchanged"] and skip["params_unchanged"]
+        assert res["stats"][5]["skipped"] and not res["stats"][6]["skipped"]
+
+
+def test_checkpoint_resume_is_bit_identical(run_ranks, tmp_path):
+    """The local optimizer's state is per rank: it is saved and restored with each rank's file."""
+    common = ["--compress", "update", "--optimizer", "adam", "--steps", 40, "--ratio", 0.05, "--warmup-steps", 5]
+    full = run_ranks(2, "opt_train.py", *common)
+    first = tmp_path / "first"
+    run_ranks(2, "opt_train.py", *common, "--save-at", 19, out=first)
+    resumed = run_ranks(2, "opt_train.py", *common, "--resume", str(first / "ckpt.pt"))
+    for r in range(2):
+        for name, value in full[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][name], value), f"rank {r} {name} differs after resume"
