@@ -1,8 +1,12 @@
-"""Digits CNN accuracy: dense Horovod against hvd_topk (with and without momentum correction), seeds
-side by side, 2 ranks (horovodrun, Gloo). Prints a markdown table of mean test accuracy per config.
+"""Final accuracy (digits CNN) or test loss (byte-level LM): dense Horovod against hvd_topk's modes.
 
-    python -m bench.accuracy                     # the full table (27 runs)
+Seeds side by side, 2 ranks (horovodrun, Gloo). Prints a markdown table of the mean per config; with
+--out, also writes it (table.md), every run's record (runs.json) and, for the LM, the test-loss curves
+(loss_curves.png).
+
+    python -m bench.accuracy                     # digits: the full table (27 runs)
     python -m bench.accuracy --seeds 0 --epochs 5
+    python -m bench.accuracy --example lm --seeds 0 --out bench/results/lm   # the LM table (600 steps)
 """
 import argparse
 import json
@@ -27,42 +31,100 @@ CONFIGS = {
         "--compression", "hvd_topk", "--ratio", "0.001", "--warmup-epochs", "4", "--selection", "global"],
     "Adam dense": ["--compression", "none", "--optimizer", "adam", "--lr", "0.001"],
     "Adam top-k 0.01": ["--compression", "hvd_topk", "--optimizer", "adam", "--lr", "0.001", "--ratio", "0.01"],
+    "Adam top-k 0.01, update": ["--compression", "hvd_topk", "--optimizer", "adam", "--lr", "0.001", "--ratio",
+                                "0.01", "--compress", "update"],
 }
+# The byte-level LM (examples/char_lm.py: AdamW, lr 2e-3, cosine schedule, clipping at 1.0).
+LM_CONFIGS = {
+    "AdamW dense": ["--compression", "none"],
+    "AdamW top-k 0.01": ["--compression", "hvd_topk", "--ratio", "0.01"],
+    "AdamW top-k 0.01, dense steps 100": ["--compression", "hvd_topk", "--ratio", "0.01", "--dense-steps", "100"],
+    "AdamW top-k 0.01, update": ["--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update"],
+    "AdamW top-k 0.01, update, dense steps 100": ["--compression", "hvd_topk", "--ratio", "0.01", "--compress",
+                                                  "update", "--dense-steps", "100"],
+}
+# example -> (script, configs, the metric the table shows, higher is better)
+EXAMPLES = {"digits": ("digits_cnn.py", CONFIGS, "test_accuracy", True),
+            "lm": ("char_lm.py", LM_CONFIGS, "test_loss", False)}
+
+
+def run_record(config, seed, args):
+    """The JSON record of one run (``args``: np, example, and epochs + min_numel or steps)."""
+    example = getattr(args, "example", "digits")
+    script, configs, _, _ = EXAMPLES[example]
+    length = ["--epochs", str(args.epochs), "--min-numel", str(args.min_numel)] if example == "digits" else \
+        ["--steps", str(args.steps)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        argv = [sys.executable, os.path.join(ROOT, "examples", script), "--quiet", "--seed", str(seed), *length,
+                "--json-out", out, *configs[config]]
+        run_job(args.np, argv, timeout=1800, cwd=ROOT)
+        with open(out) as f:
+            return json.load(f)
 
 
 def run(config, seed, args):
-    """Test accuracy of one digits run."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "r.json")
-        argv = [sys.executable, os.path.join(ROOT, "examples", "digits_cnn.py"), "--quiet", "--seed", str(seed),
-                "--epochs", str(args.epochs), "--min-numel", str(args.min_numel), "--json-out", out,
-                *CONFIGS[config]]
-        run_job(args.np, argv, timeout=900, cwd=ROOT)
-        with open(out) as f:
-            return json.load(f)["test_accuracy"]
+    """The metric of one run: test accuracy (digits) or test loss (LM)."""
+    return run_record(config, seed, args)[EXAMPLES[getattr(args, "example", "digits")][2]]
+
+
+def plot_curves(records, path):
+    """Test loss against step, one line per config (seed 0's run)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for config, runs in records.items():
+        pts = [(c["step"], c["test_loss"]) for c in runs[0]["curve"]]
+        ax.plot(*zip(*pts), marker=".", label=config)
+    ax.set_xlabel("step")
+    ax.set_ylabel("test loss (nats/byte)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--example", choices=list(EXAMPLES), default="digits")
     p.add_argument("--np", type=int, default=2)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--min-numel", type=int, default=2048, help="smaller tensors (the classifier) go dense")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (digits), 0 (lm)")
+    p.add_argument("--epochs", type=int, default=20, help="digits")
+    p.add_argument("--min-numel", type=int, default=2048, help="digits: smaller tensors (the classifier) go dense")
+    p.add_argument("--steps", type=int, default=600, help="lm")
+    p.add_argument("--configs", nargs="+", default=None, help="default: every config of the example")
+    p.add_argument("--out", default=None, help="folder for table.md, runs.json (and loss_curves.png for lm)")
     args = p.parse_args()
-    table = {}
+    _, configs, metric, _ = EXAMPLES[args.example]
+    args.configs = args.configs or list(configs)
+    bad = [c for c in args.configs if c not in configs]
+    if bad:
+        p.error(f"--configs: unknown {bad}; choose from {list(configs)}")
+    if args.seeds is None:
+        args.seeds = [0, 1, 2] if args.example == "digits" else [0]
+    records, table = {}, {}
     for config in args.configs:
-        accs = [run(config, seed, args) for seed in args.seeds]
-        table[config] = accs
-        print(f"{config}: {' '.join(f'{a:.4f}' for a in accs)}", flush=True)
-    print(f"\n{args.np} ranks, {args.epochs} epochs, min_numel {args.min_numel}, seeds {args.seeds}")
-    print("| config | mean test acc | per seed |\n|---|---:|---|")
-    for config, accs in table.items():
-        print(f"| {config} | {statistics.mean(accs):.4f} | {' '.join(f'{a:.4f}' for a in accs)} |")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(table, f, indent=1)
+        records[config] = [run_record(config, seed, args) for seed in args.seeds]
+        table[config] = [r[metric] for r in records[config]]
+        print(f"{config}: {' '.join(f'{a:.4f}' for a in table[config])}", flush=True)
+    setup = (f"{args.np} ranks, {args.epochs} epochs, min_numel {args.min_numel}" if args.example == "digits"
+             else f"{args.np} ranks, {args.steps} steps") + f", seeds {args.seeds}"
+    lines = [setup, "", f"| config | mean {metric.replace('_', ' ')} | per seed |", "|---|---:|---|"]
+    lines += [f"| {c} | {statistics.mean(v):.4f} | {' '.join(f'{a:.4f}' for a in v)} |" for c, v in table.items()]
+    print("\n" + "\n".join(lines))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        command = " ".join(["python", "-m", "bench.accuracy", *sys.argv[1:]])
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write("\n".join([f"`{command}`", ""] + lines) + "\n")
+        with open(os.path.join(args.out, "runs.json"), "w") as f:
+            json.dump({c: [{k: r.get(k) for k in ("test_loss", "test_accuracy", "curve", "wall_s",
+                                                   "bytes_per_rank_per_step", "params_identical")} for r in rs]
+                       for c, rs in records.items()}, f, indent=1)
+        if args.example == "lm":
+            plot_curves(records, os.path.join(args.out, "loss_curves.png"))
 
 
 if __name__ == "__main__":
