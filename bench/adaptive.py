@@ -33,7 +33,7 @@ import time
 
 from hvd_topk.auto import DEFAULT_RATIOS
 
-from bench.evidence import BANDWIDTHS, ROOT, job_env, namespace, preflight, relative
+from bench.evidence import BANDWIDTHS, ROOT, job_env, namespace, preflight, recorded_command
 
 # label -> (the example's arguments, link): "limited" is --bandwidth, "unlimited" the bare loopback
 MODES = {
@@ -48,7 +48,7 @@ COLUMNS = ["mode", "seed", "bandwidth", "test_acc", "link_bytes", "steps", "wall
 
 def run_one(label, seed, o):
     """One training run; returns its CSV row."""
-    from hvd_topk.launch import launch_command, run_job
+    from hvd_topk.launch import run_job
 
     args, link = MODES[label]
     bandwidth = o.bandwidth if link == "limited" else "unlimited"
@@ -60,8 +60,7 @@ def run_one(label, seed, o):
             argv += ["--auto-every", str(o.auto_every)]
         env = job_env(o.cycle_ms)
         with namespace(BANDWIDTHS[bandwidth], "1mb") as ns:
-            command = relative(shlex.join([*(f"{k}={v}" for k, v in env.items()), *ns.prefix,
-                                           *launch_command(o.ranks, argv)]))
+            command = recorded_command(env, ns.prefix, o.ranks, argv)
             run_job(o.ranks, argv, timeout=3600, prefix=ns.prefix, env=env, cwd=ROOT)
         with open(out) as f:
             rec = json.load(f)

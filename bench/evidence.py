@@ -405,7 +405,7 @@ def execute(run, o, unsupported):
 
     ``unsupported`` maps a mode label to the reason it was skipped; a job failing with a ValueError
     (or an argparse error) that names one of its mode's options adds its label there."""
-    from hvd_topk.launch import JobFailed, launch_command, run_job
+    from hvd_topk.launch import JobFailed, run_job
 
     row = {**asdict(run), "run_id": run.run_id, "burst": o.burst, "status": "ok", "error": ""}
     if run.label in unsupported:
@@ -419,8 +419,7 @@ def execute(run, o, unsupported):
         try:
             with namespace(rate, o.burst) as ns:
                 env = job_env(run.cycle_ms)
-                row["command"] = relative(shlex.join([*(f"{k}={v}" for k, v in env.items()), *ns.prefix,
-                                                      *launch_command(run.ranks, argv)]))
+                row["command"] = recorded_command(env, ns.prefix, run.ranks, argv)
                 run_job(run.ranks, argv, timeout=max(300, int(6 * run.est_s)), prefix=ns.prefix, env=env, cwd=ROOT)
             with open(out) as f:
                 record = json.load(f)
@@ -443,6 +442,13 @@ def execute(run, o, unsupported):
 def relative(command):
     """A recorded command with this checkout's absolute path taken out (run from the repository root)."""
     return command.replace(ROOT + os.sep, "")
+
+
+def recorded_command(env, prefix, ranks, argv):
+    """The command line of a job as a report records it: environment, namespace prefix, launcher."""
+    from hvd_topk.launch import launch_command
+
+    return relative(shlex.join([*(f"{k}={v}" for k, v in env.items()), *prefix, *launch_command(ranks, argv)]))
 
 
 def _unsupported_reason(output, mode_args):
