@@ -170,20 +170,19 @@ class _TopKState:
         return g
 
     def _submit_dense(self, p, name, g, u_new):
-        """Plain allreduce (momentum, if corrected, is applied locally first: it is linear). Out of
-        place: g (u_new itself, with momentum correction) is only read, so no copy is made."""
-        self.stats.add_sent(g.numel() * g.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
-        handle = mpi_ops.allreduce_async(g, name=f"hvd_topk.dense.{name}", op=self.op,
-                                         prescale_factor=self.prescale, postscale_factor=self.postscale)
+        """Plain allreduce of a tensor that is never compressed, in its own dtype (momentum, if
+        corrected, is applied locally first: it is linear). g (u_new itself, with momentum
+        correction) is only read, so no copy is made."""
+        finish = self._dense_transport(name, g, collective="dense", keep_dtype=True)
 
-        def finish():
-            out = mpi_ops.synchronize(handle)
-            if not sq_norm_finite(out)[1]:             # identical on all ranks: it is the sum
+        def done():
+            out = finish()[0]
+            if out is None:                            # identical on all ranks: read from the sum
                 return self._skipped(p)
             if u_new is not None:
                 self.commits.append(lambda: self.velocities.__setitem__(name, u_new))
             return self._unscale_out(out).reshape(p.shape)
-        return finish
+        return done
 
     def _submit_sparse(self, p, name, g, u_new):
         if self.selection == "global":
@@ -289,16 +288,16 @@ class _TopKState:
             return dense, residual, None if k == n else indices
         return finish
 
-    def _dense_transport(self, key, acc):
+    def _dense_transport(self, key, acc, collective="values", keep_dtype=False):
         """Density 1 as cheaply as stock Horovod: ``acc`` (possibly the gradient itself: it is only read)
         goes to an out-of-place allreduce, with no flag appended, no norm and no copy before sending;
-        a non-finite rank shows in the sum, which is read after (identical on all ranks, as in the
-        dense path). The residual is flushed (None). The stats count these tensors as dense: their
-        compression gain is 1 by definition."""
-        vdtype = self.value_dtype or acc.dtype
+        a non-finite rank shows in the sum, which is read after (identical on all ranks). The residual
+        is flushed (None). The stats count these tensors as dense: their compression gain is 1 by
+        definition. Values go in ``value_dtype`` unless ``keep_dtype`` (tensors never compressed)."""
+        vdtype = acc.dtype if keep_dtype else self.value_dtype or acc.dtype
         buf = acc if acc.dtype == vdtype else acc.to(vdtype)
         self.stats.add_sent(buf.numel() * buf.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
-        handle = mpi_ops.allreduce_async(buf, name=f"hvd_topk.values.{key}", op=self.op,
+        handle = mpi_ops.allreduce_async(buf, name=f"hvd_topk.{collective}.{key}", op=self.op,
                                          prescale_factor=self.prescale, postscale_factor=self.postscale)
 
         def finish():
