@@ -7,7 +7,7 @@ import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk.sparsify import k_for
 
-from conftest import assert_identical_across_ranks
+from conftest import assert_identical_across_ranks, assert_resume_bit_identical, assert_skipped_everywhere
 
 
 def make(hvd, **kw):
@@ -265,29 +265,17 @@ def test_momentum_correction_matches_float64_reference(run_ranks, nesterov):
     ("artopk", "star", "layerwise"), ("artopk", "var", "layerwise"), ("allgather", "star", "layerwise"),
     ("artopk", "star", "global")])
 def test_checkpoint_resume_is_bit_identical(run_ranks, tmp_path, communication, leader, selection):
-    common = ["--steps", 50, "--communication", communication, "--leader", leader, "--ratio", 0.05,
-              "--warmup-steps", 10, "--selection", selection]
-    full = run_ranks(2, "opt_train.py", *common)
-    first = tmp_path / "first"
-    run_ranks(2, "opt_train.py", *common, "--save-at", 24, out=first)
-    resumed = run_ranks(2, "opt_train.py", *common, "--resume", str(first / "ckpt.pt"))
-    for r in range(2):
-        for name, value in full[r]["params"].items():
-            assert torch.equal(resumed[r]["params"][name], value), f"rank {r} {name} differs after resume"
+    assert_resume_bit_identical(run_ranks, tmp_path, ["--steps", 50, "--communication", communication, "--leader",
+                                                      leader, "--ratio", 0.05, "--warmup-steps", 10, "--selection",
+                                                      selection], save_at=24)
 
 
 @pytest.mark.parametrize("one_tensor", [False, True])
 def test_amp_overflow_on_one_rank_skips_step_everywhere(run_ranks, one_tensor):
     results = run_ranks(2, "opt_train.py", "--amp", "--steps", 12, "--overflow-rank", 1, "--overflow-step", 6,
                         "--ratio", 0.05, *(["--overflow-one-tensor"] if one_tensor else []))
-    assert_identical_across_ranks(results)
-    scales = set()
-    for res in results:
-        (skip,) = res["skipped"]
-        assert skip["had_residuals"] and skip["state_unchanged"] and skip["params_unchanged"]
-        scales.add(skip["scale"])
-        assert res["stats"][6]["skipped"] and not res["stats"][7]["skipped"]
-    assert scales == {2.0 ** 7}                      # backed off once, identically on both ranks
+    skips = assert_skipped_everywhere(results, step=6)
+    assert {s["scale"] for s in skips} == {2.0 ** 7}     # backed off once, identically on both ranks
 
 
 @pytest.mark.parametrize("communication,selection,dense_steps", [
@@ -299,11 +287,7 @@ def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(run_ranks, co
     results = run_ranks(2, "opt_train.py", "--steps", 10, "--overflow-rank", 1, "--overflow-step", 5,
                         "--overflow-one-tensor", "--ratio", 0.05, "--communication", communication,
                         "--selection", selection, "--dense-steps", dense_steps)
-    assert_identical_across_ranks(results)
-    for res in results:
-        (skip,) = res["skipped"]
-        assert skip["had_residuals"] and skip["state_unchanged"] and skip["params_unchanged"]
-        assert res["stats"][5]["skipped"] and not res["stats"][6]["skipped"]
+    assert_skipped_everywhere(results, step=5)
 
 
 def test_checkpoint_from_other_world_size_is_refused(run_ranks, tmp_path):

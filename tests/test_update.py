@@ -13,7 +13,7 @@ import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk.sparsify import k_for
 
-from conftest import assert_identical_across_ranks
+from conftest import assert_identical_across_ranks, assert_resume_bit_identical, assert_skipped_everywhere
 
 
 def make(model, base, **kw):
@@ -116,20 +116,10 @@ def test_non_finite_on_one_rank_skips_the_step_and_keeps_every_state(run_ranks, 
     results = run_ranks(2, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--steps", 10,
                         "--overflow-rank", 1, "--overflow-step", 5, "--ratio", 0.05,
                         *(["--overflow-one-tensor"] if one_tensor else []))
-    assert_identical_across_ranks(results)
-    for res in results:
-        (skip,) = res["skipped"]
-        assert skip["had_residuals"] and skip["state_unchanged"] and skip["params_unchanged"]
-        assert res["stats"][5]["skipped"] and not res["stats"][6]["skipped"]
+    assert_skipped_everywhere(results, step=5)
 
 
 def test_checkpoint_resume_is_bit_identical(run_ranks, tmp_path):
     """The local optimizer's state is per rank: it is saved and restored with each rank's file."""
-    common = ["--compress", "update", "--optimizer", "adam", "--steps", 40, "--ratio", 0.05, "--warmup-steps", 5]
-    full = run_ranks(2, "opt_train.py", *common)
-    first = tmp_path / "first"
-    run_ranks(2, "opt_train.py", *common, "--save-at", 19, out=first)
-    resumed = run_ranks(2, "opt_train.py", *common, "--resume", str(first / "ckpt.pt"))
-    for r in range(2):
-        for name, value in full[r]["params"].items():
-            assert torch.equal(resumed[r]["params"][name], value), f"rank {r} {name} differs after resume"
+    assert_resume_bit_identical(run_ranks, tmp_path, ["--compress", "update", "--optimizer", "adam", "--steps", 40,
+                                                      "--ratio", 0.05, "--warmup-steps", 5], save_at=19)
