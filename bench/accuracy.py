@@ -4,13 +4,14 @@ Seeds side by side, 2 ranks (horovodrun, Gloo). Prints a markdown table of the m
 --out, also writes it (table.md), every run's record (runs.json) and, for the LM, the test-loss curves
 (loss_curves.png).
 
-    python -m bench.accuracy                     # digits: the full table (27 runs)
+    python -m bench.accuracy                     # digits: the full table (30 runs)
     python -m bench.accuracy --seeds 0 --epochs 5
     python -m bench.accuracy --example lm --seeds 0 --out bench/results/lm   # the LM table (600 steps)
 """
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -39,9 +40,18 @@ LM_CONFIGS = {
     "AdamW dense": ["--compression", "none"],
     "AdamW top-k 0.01": ["--compression", "hvd_topk", "--ratio", "0.01"],
     "AdamW top-k 0.01, dense steps 100": ["--compression", "hvd_topk", "--ratio", "0.01", "--dense-steps", "100"],
-    "AdamW top-k 0.01, update": ["--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update"],
+    "AdamW top-k 0.01, dense steps 100, allgather": ["--compression", "hvd_topk", "--ratio", "0.01",
+                                                     "--dense-steps", "100", "--communication", "allgather"],
+    "AdamW top-k 0.01, update, allgather": ["--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update",
+                                            "--communication", "allgather"],
     "AdamW top-k 0.01, update, dense steps 100": ["--compression", "hvd_topk", "--ratio", "0.01", "--compress",
                                                   "update", "--dense-steps", "100"],
+    "AdamW top-k 0.01, update, dense steps 100, allgather": [
+        "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--dense-steps", "100",
+        "--communication", "allgather"],
+    "AdamW top-k 0.1, update, dense steps 100, allgather": [
+        "--compression", "hvd_topk", "--ratio", "0.1", "--compress", "update", "--dense-steps", "100",
+        "--communication", "allgather"],
 }
 # example -> (script, configs, the metric the table shows, higher is better)
 EXAMPLES = {"digits": ("digits_cnn.py", CONFIGS, "test_accuracy", True),
@@ -116,7 +126,7 @@ def main():
     print("\n" + "\n".join(lines))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        command = " ".join(["python", "-m", "bench.accuracy", *sys.argv[1:]])
+        command = shlex.join(["python", "-m", "bench.accuracy", *sys.argv[1:]])
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join([f"`{command}`", ""] + lines) + "\n")
         with open(os.path.join(args.out, "runs.json"), "w") as f:
