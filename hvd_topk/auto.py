@@ -19,8 +19,8 @@ the ranks' competition for CPU (on a fast link a selection on every rank costs m
 says), so its choice is checked by measurement: the model's plan and every uniform plan (all dense,
 all artopk, all allgather) modelled within 4x of it take turns, ``trial_steps`` steps at a time, for
 ``trial_rounds`` rounds (A B C A B C ...: a slow spell of the host falls on every plan, not on one),
-and the plan with the fastest median step (agreed over the ranks) is kept. Horovod's Gloo and MPI collectives do not
-expose ring vs. tree, so only the ring formulas are used here.
+and the plan with the fastest median step (agreed over the ranks) is kept. Horovod's Gloo and MPI
+collectives do not expose ring vs. tree, so only the ring formulas are used here.
 
 **Adaptive ratio.** Every ``every`` steps the ranks agree on (a) the mean measured step time T and (b)
 the compression gain G(c) = ‖top-k_c(acc)‖² / ‖acc‖² of each candidate ratio c, computed from the

@@ -499,8 +499,9 @@ def _update_step(self, closure):
             finishes.append((q, state.submit(q, self._parameter_names.get(q), update=update)))
         outs = [(q, finish()) for q, finish in finishes]
         if state.end_step(comm_s=time.perf_counter() - t0):
-            warnings.warn("hvd_topk: an update was non-finite on some rank; it is not applied on any "
-                          "rank and residuals are unchanged")
+            warnings.warn("hvd_topk: an update was non-finite on some rank (its gradients were finite); it "
+                          "is applied on no rank and residuals are unchanged, but the optimizers' own "
+                          "states have taken the step")
             return loss
         for q, out in outs:
             q.add_(out)
