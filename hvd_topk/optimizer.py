@@ -9,7 +9,7 @@ With ``compress='update'`` the gradients stay local: at ``step()`` every rank ru
 optimizer on its own gradient, takes the change it made to the parameters (the update), puts the
 parameters back, and sends the update through error feedback and the transport; the aggregated update
 is then added on every rank. For Adam-type optimizers, whose per-element normalisation undoes error
-feedback on gradients (an element sent once every 100 steps moves by about one step's worth, not 100).
+feedback on gradients (an element sent once every 100 steps moves a few steps' worth, not 100).
 """
 import math
 import numbers
