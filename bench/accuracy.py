@@ -53,15 +53,15 @@ LM_CONFIGS = {
         "--compression", "hvd_topk", "--ratio", "0.1", "--compress", "update", "--dense-steps", "100",
         "--communication", "allgather"],
 }
-# example -> (script, configs, the metric the table shows, higher is better)
-EXAMPLES = {"digits": ("digits_cnn.py", CONFIGS, "test_accuracy", True),
-            "lm": ("char_lm.py", LM_CONFIGS, "test_loss", False)}
+# example -> (script, configs, the metric the table shows)
+EXAMPLES = {"digits": ("digits_cnn.py", CONFIGS, "test_accuracy"),
+            "lm": ("char_lm.py", LM_CONFIGS, "test_loss")}
 
 
 def run_record(config, seed, args):
     """The JSON record of one run (``args``: np, example, and epochs + min_numel or steps)."""
     example = getattr(args, "example", "digits")
-    script, configs, _, _ = EXAMPLES[example]
+    script, configs, _ = EXAMPLES[example]
     length = ["--epochs", str(args.epochs), "--min-numel", str(args.min_numel)] if example == "digits" else \
         ["--steps", str(args.steps)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +107,7 @@ def main():
     p.add_argument("--configs", nargs="+", default=None, help="default: every config of the example")
     p.add_argument("--out", default=None, help="folder for table.md, runs.json (and loss_curves.png for lm)")
     args = p.parse_args()
-    _, configs, metric, _ = EXAMPLES[args.example]
+    _, configs, metric = EXAMPLES[args.example]
     args.configs = args.configs or list(configs)
     bad = [c for c in args.configs if c not in configs]
     if bad:

@@ -645,8 +645,9 @@ def auto_vs_best(rows):
 # -- outputs --------------------------------------------------------------------------------------------
 STEPS_COLUMNS = ["run_id", "status", "example", "model", "label", "compression", "communication", "scheme",
                  "ratio", "ranks", "bandwidth", "burst", "cycle_ms", "repeat", "repeats", "num_params", "steps",
-                 "measured_steps", "step_s", "step_s_runs", "step_s_p10", "step_s_p90", "speedup_vs_dense", "speedup_vs_fp16", "link_bytes",
-                 "theoretical_bytes", "measured_over_theoretical", "excess_bytes", "cp_idle_bytes_per_s_per_rank",
+                 "measured_steps", "step_s", "step_s_runs", "step_s_p10", "step_s_p90", "speedup_vs_dense",
+                 "speedup_vs_fp16", "link_bytes", "theoretical_bytes", "measured_over_theoretical", "excess_bytes",
+                 "cp_idle_bytes_per_s_per_rank",
                  "cp_bound_bytes", "bytes_vs_dense", "bytes_vs_fp16", "params_identical",
                  "test_accuracy", "test_loss", "wall_s", "job_s", "est_s", "command", "error"]
 CP_COLUMNS = ["ranks", "bandwidth", "cycle_ms", "idle_s", "measured_s", "tx_bytes", "bytes_per_s",
@@ -910,7 +911,8 @@ def notes(o):
         "before any overhead, so 'at most 1/25 of dense' can only hold if dense carried more overhead than it.",
         "- **TopKEF vs hvd_topk.** TopKEF (stock Horovod's Compressor) compresses every tensor of at least "
         "min_numel elements, 1-D included; hvd_topk.DistributedOptimizer sends 1-D tensors dense.",
-        "- **auto.** Its first steps probe the link and may measure up to 4 plans in 3 turns of 3 steps each; its steps are "
+        "- **auto.** Its first steps probe the link and may measure up to 4 plans in 3 turns of 3 steps each; "
+        "its steps are "
         f"measured after {MODE_WARMUP['hvd_topk auto']} warm-up steps. Its theoretical bytes are given when all "
         "its tensors use one transport (from `hvd_topk_stats`), else left empty.",
         "- **Time to accuracy.** The budget is checked at step boundaries, so a run's last step can end past it "
