@@ -61,7 +61,7 @@ class _TopKState:
 
     def __init__(self, names, compression, communication, selection, leader, value_dtype, warmup_steps,
                  warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler, tuner, dense_steps=0,
-                 compress="gradient"):
+                 compress="gradient", local_momentum=True):
         # configuration
         self.ratio = compression.ratio        # moved by the adaptive ratio (identical on all ranks)
         self.ratio_change = None              # (first step, ratio): a decided change not yet in effect
@@ -73,6 +73,7 @@ class _TopKState:
         self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
         self.dense_steps = dense_steps        # the first steps send everything (density 1)
         self.compress = compress              # "gradient", or "update": the local optimizer's change
+        self.local_momentum = local_momentum  # update: False steps it without momentum when compressed
         self.clip_grad_norm, self.grad_scaler = clip_grad_norm, grad_scaler
         self.op = op
         self.prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
@@ -490,7 +491,12 @@ def _update_step(self, closure):
         for q in params:
             q.grad.copy_(state.clip_local(q.grad))
     before = [q.detach().clone() for q in params]
-    loss = super(self.__class__, self).step(closure)
+    saved = [] if state.local_momentum or state.density(state.step) >= 1.0 else _drop_momentum(self.param_groups)
+    try:
+        loss = super(self.__class__, self).step(closure)
+    finally:
+        for group, key, value in saved:
+            group[key] = value
     finishes = []
     with torch.no_grad():
         for q, q0 in zip(params, before):
@@ -506,6 +512,20 @@ def _update_step(self, closure):
         for q, out in outs:
             q.add_(out)
     return loss
+
+
+def _drop_momentum(param_groups):
+    """Set every group's momentum to 0 (Adam's beta1, SGD's or RMSprop's momentum) for one step;
+    returns (group, key, value) to restore."""
+    saved = []
+    for group in param_groups:
+        if "betas" in group:
+            saved.append((group, "betas", group["betas"]))
+            group["betas"] = (0.0, *tuple(group["betas"])[1:])
+        else:
+            saved.append((group, "momentum", group["momentum"]))
+            group["momentum"] = 0.0
+    return saved
 
 
 def _zero_grad(self, set_to_none=True):
@@ -566,7 +586,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
                          communication="artopk", leader="star", value_dtype=None, grad_scaler=None,
                          selection="layerwise", adaptive_ratio=None, adaptive_weight=DEFAULT_WEIGHT, auto_every=50,
-                         dense_steps=0, compress="gradient"):
+                         dense_steps=0, compress="gradient", local_momentum=True):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
 
     Args:
@@ -612,6 +632,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             gradient clipped between ``synchronize()`` and ``step()`` is this rank's own. Not with
             momentum_correction (the momentum stays in the local optimizer) or grad_scaler. With
             ratio 1.0 it averages the local updates: dense Horovod for plain SGD, not for Adam.
+        local_momentum: with ``compress='update'``: False steps the optimizer without momentum
+            (Adam's beta1, SGD's or RMSprop's momentum set to 0 for that step, restored after it) on
+            every step whose density is below 1, i.e. after ``dense_steps``. Error feedback already
+            sends each element's update as the sum of the steps it was held back, which acts as
+            momentum; keeping the optimizer's own momentum on top of it overshoots (measured on the
+            byte-level LM, see README). Adam's second moment is untouched. True (default) keeps the
+            optimizer as it is.
 
     Returns:
         An optimizer of a subclass of ``optimizer``'s class with Horovod's ``synchronize()``,
@@ -629,6 +656,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     if compress == "update" and momentum_correction:
         raise ValueError("momentum_correction=True cannot be used with compress='update' (the local "
                          "optimizer keeps its momentum; its update is what is compressed)")
+    if not isinstance(local_momentum, bool):
+        raise ValueError(f"local_momentum must be True or False, got {local_momentum!r}")
+    if not local_momentum:
+        if compress != "update":
+            raise ValueError("local_momentum=False needs compress='update' (with compress='gradient' the "
+                             "optimizer steps on the aggregate; see momentum_correction)")
+        if any("betas" not in g and "momentum" not in g for g in optimizer.param_groups):
+            raise ValueError(f"local_momentum=False needs an optimizer whose param groups have 'betas' (Adam "
+                             f"family) or 'momentum' (SGD, RMSprop); {type(optimizer).__name__} has neither")
     if compress == "update" and grad_scaler is not None:
         raise ValueError("grad_scaler cannot be used with compress='update' (use it with "
                          "compress='gradient', or unscaled gradients)")
@@ -676,7 +712,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
     state = _TopKState([n for n, _ in named_parameters], compression, communication, selection, leader, value_dtype,
                        warmup_steps, warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler,
-                       tuner, dense_steps, compress)
+                       tuner, dense_steps, compress, local_momentum)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
     return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,

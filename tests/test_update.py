@@ -41,20 +41,34 @@ def test_momentum_stays_in_the_local_optimizer(hvd):
     assert opt._hvd_topk.momentum == {}
 
 
-@pytest.mark.parametrize("communication", ["artopk", "allgather"])
-def test_error_feedback_invariant_on_adamw_updates(hvd, communication):
-    """Σ sent + residual = Σ local AdamW updates, the updates taken by a reference AdamW stepped on the
-    same gradients from the same parameters (world size 1: the aggregate is this rank's sent)."""
+def _optimizer(kind, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999))
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("communication,kind,local_momentum", [
+    ("artopk", "adamw", True), ("allgather", "adamw", True), ("allgather", "adamw", False),
+    ("artopk", "sgd", False)])
+def test_error_feedback_invariant_on_local_updates(hvd, communication, kind, local_momentum):
+    """Σ sent + residual = Σ local updates, the updates taken by a reference optimizer stepped on the
+    same gradients from the same parameters (world size 1: the aggregate is this rank's sent). With
+    local_momentum=False the reference steps with momentum (beta1) 0 once the dense steps are over."""
     torch.manual_seed(0)
     model = nn.Linear(100, 50).double()           # weight: compressed; bias (1-D): sent whole
     reference = copy.deepcopy(model)
-    opt = make(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-               compression=TopKEF(ratio=0.02, min_numel=0), communication=communication, compress="update")
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    dense_steps = 0 if local_momentum else 3
+    opt = make(model, _optimizer(kind, model.parameters()), compression=TopKEF(ratio=0.02, min_numel=0),
+               communication=communication, compress="update", dense_steps=dense_steps,
+               local_momentum=local_momentum)
+    ref_opt = _optimizer(kind, reference.parameters())
     start = model.weight.detach().clone()
     total_update = torch.zeros_like(start)
     k = k_for(5000, 0.02)
-    for _ in range(20):
+    for step in range(20):
+        if step == dense_steps and not local_momentum:       # the reference drops momentum from here on
+            key, value = ("betas", (0.0, 0.999)) if kind == "adamw" else ("momentum", 0.0)
+            ref_opt.param_groups[0][key] = value
         x = torch.randn(4, 100, dtype=torch.float64)
         with torch.no_grad():
             for a, b in zip(reference.parameters(), model.parameters()):
@@ -67,26 +81,44 @@ def test_error_feedback_invariant_on_adamw_updates(hvd, communication):
         opt.zero_grad()
         model(x).pow(2).sum().backward()
         opt.step()
-        assert int((model.weight != before).sum()) == k                 # only the top-k elements moved
+        moved = int((model.weight != before).sum())
+        assert moved == k if step >= dense_steps else moved > k      # only the top-k elements moved
         # a dense tensor: the whole update (p0 + (p1 - p0) may round p1 in its last bit)
         torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=1e-15)
     residual = opt._hvd_topk.residuals.residuals["weight"].reshape(start.shape)
     torch.testing.assert_close(model.weight.detach() - start + residual, total_update, rtol=0, atol=1e-12)
     assert float(residual.norm()) > 0
-    # the local AdamW stepped exactly once per step, on the local gradient
-    assert opt.state[model.weight]["step"] == ref_opt.state[reference.weight]["step"] == 20
-    torch.testing.assert_close(opt.state[model.weight]["exp_avg_sq"], ref_opt.state[reference.weight]["exp_avg_sq"],
-                               rtol=0, atol=0)
+    # the optimizer's own hyperparameters are as the user set them
+    assert opt.param_groups[0].get("betas", (0.9,))[0] == opt.param_groups[0].get("momentum", 0.9) == 0.9
+    if kind == "adamw":        # the local AdamW stepped exactly once per step, on the local gradient
+        assert opt.state[model.weight]["step"] == ref_opt.state[reference.weight]["step"] == 20
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[model.weight][key], ref_opt.state[reference.weight][key],
+                                       rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"compress": "update", "local_momentum": "off"}, "local_momentum must be True or False, got 'off'"),
+    ({"local_momentum": False}, "local_momentum=False needs compress='update'"),
+])
+def test_bad_local_momentum_raises_value_error(hvd, kw, match):
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=match):
+        make(model, torch.optim.AdamW(model.parameters()), **kw)
+    with pytest.raises(ValueError, match="local_momentum=False needs an optimizer whose param groups have 'betas'"):
+        make(model, torch.optim.Adagrad(model.parameters()), compress="update", local_momentum=False)
 
 
 # -- real multi-rank jobs --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("communication,selection,np", [("artopk", "layerwise", 2), ("allgather", "layerwise", 2),
-                                                        ("artopk", "global", 3), ("auto", "layerwise", 2)])
-def test_params_identical_with_local_adam(run_ranks, communication, selection, np):
+@pytest.mark.parametrize("communication,selection,np,local_momentum", [
+    ("artopk", "layerwise", 2, "on"), ("allgather", "layerwise", 2, "on"), ("artopk", "global", 3, "on"),
+    ("auto", "layerwise", 2, "on"), ("allgather", "layerwise", 3, "off")])
+def test_params_identical_with_local_adam(run_ranks, communication, selection, np, local_momentum):
     results = run_ranks(np, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--weight-decay", 1e-4,
                         "--steps", 60, "--communication", communication, "--selection", selection,
-                        "--ratio", 0.05, "--auto-every", 10, "--dense-steps", 3, timeout=300)
+                        "--ratio", 0.05, "--auto-every", 10, "--dense-steps", 3, "--local-momentum", local_momentum,
+                        timeout=300)
     assert_identical_across_ranks(results)
     last = results[0]["stats"][-1]
     if communication == "auto":              # its plan (dense is right for a model this small) is agreed

@@ -21,6 +21,7 @@ p.add_argument("--leader", default="star")
 p.add_argument("--selection", default="layerwise")
 p.add_argument("--ratio", type=float, default=0.01)
 p.add_argument("--compress", choices=["gradient", "update"], default="gradient")
+p.add_argument("--local-momentum", choices=["on", "off"], default="on")
 p.add_argument("--min-numel", type=int, default=64)
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--width", type=int, default=64)
@@ -77,7 +78,7 @@ else:
         warmup_steps=args.warmup_steps, dense_steps=args.dense_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
         value_dtype=None if args.value_dtype == "none" else torch.float16,
         adaptive_ratio=True if args.adaptive_ratio else None, adaptive_weight=args.adaptive_weight,
-        auto_every=args.auto_every, compress=args.compress)
+        auto_every=args.auto_every, compress=args.compress, local_momentum=args.local_momentum == "on")
     if hvd.rank() == args.skew_clock_rank:      # decisions must not depend on one rank's timings
         opt._hvd_topk.clock = lambda: 5.0 * time.perf_counter()
 start = 0
