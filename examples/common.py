@@ -58,6 +58,9 @@ def add_compression_args(parser):
     g.add_argument("--compress", choices=["gradient", "update"], default="gradient",
                    help="hvd_topk: compress the gradients (the optimizer steps on their aggregate) or every "
                         "rank's own optimizer update (for Adam; the optimizer's state is then per rank)")
+    g.add_argument("--local-momentum", choices=["on", "off"], default="on",
+                   help="hvd_topk, --compress update: off steps the optimizer without momentum (Adam's beta1 = 0) "
+                        "once steps are compressed; error feedback's accumulation takes its place")
     g.add_argument("--dense-steps", type=int, default=0,
                    help="hvd_topk: send the first N steps dense (a warm-up stage for Adam's statistics)")
     g.add_argument("--adaptive-ratio", action="store_true",
@@ -114,11 +117,13 @@ def make_distributed_optimizer(args, model, base_opt):
             dense_steps=args.dense_steps, selection=args.selection,
             momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
             adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every, compress=args.compress,
+            local_momentum=args.local_momentum == "on",
             **({} if args.adaptive_weight is None else {"adaptive_weight": args.adaptive_weight}))
         return opt, None
-    if args.adaptive_ratio or args.communication == "auto" or args.dense_steps or args.compress != "gradient":
-        raise ValueError("--adaptive-ratio, --communication auto, --dense-steps and --compress update need "
-                         "--compression hvd_topk")
+    if (args.adaptive_ratio or args.communication == "auto" or args.dense_steps or args.compress != "gradient"
+            or args.local_momentum != "on"):
+        raise ValueError("--adaptive-ratio, --communication auto, --dense-steps, --compress update and "
+                         "--local-momentum off need --compression hvd_topk")
     comp = None
     if args.compression == "topkef":
         comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel)
@@ -162,7 +167,9 @@ class RunLog:
             "optimizer": getattr(args, "optimizer", None),
             "ratio": args.ratio if args.compression in ("topkef", "hvd_topk") else None,
             "communication": _communication(args),
-            "compress": args.compress if args.compression == "hvd_topk" else None, "ranks": self.size,
+            "compress": args.compress if args.compression == "hvd_topk" else None,
+            "local_momentum": args.local_momentum if args.compression == "hvd_topk" else None,
+            "ranks": self.size,
             "model": model_name, "dataset": dataset, "non_iid": bool(non_iid),
             "num_params": sum(p.numel() for p in model.parameters()),
             "tensors": [[name, p.numel(), p.dim()] for name, p in model.named_parameters()],

@@ -131,7 +131,8 @@ def test_validation_windows_are_fixed():
 
 @pytest.mark.parametrize("flags", [["--compression", "topkef"],
                                    ["--compression", "hvd_topk", "--non-iid"],
-                                   ["--compression", "hvd_topk", "--compress", "update", "--dense-steps", "5"]])
+                                   ["--compression", "hvd_topk", "--compress", "update", "--dense-steps", "5",
+                                    "--local-momentum", "off", "--communication", "allgather"]])
 def test_two_rank_job(tmp_path, flags):
     out = tmp_path / "r.json"
     argv = [sys.executable, SCRIPT, "--quiet", "--max-steps", "20", "--eval-every", "10",
@@ -143,6 +144,7 @@ def test_two_rank_job(tmp_path, flags):
     assert r["non_iid"] == ("--non-iid" in flags) and r["test_accuracy"] is None
     assert r["params_identical"] is True
     assert r["compress"] == ("update" if "update" in flags else "gradient" if "hvd_topk" in flags else None)
+    assert r["local_momentum"] == ("off" if "off" in flags else "on" if "hvd_topk" in flags else None)
     assert r["steps"] == 20 and len(r["step_times_s"]) == 20
     assert [p["step"] for p in r["curve"]] == [10, 20]
     assert math.isfinite(r["test_loss"]) and r["test_loss"] < math.log(256) - 0.25
