@@ -34,6 +34,9 @@ CONFIGS = {
     "Adam top-k 0.01": ["--compression", "hvd_topk", "--optimizer", "adam", "--lr", "0.001", "--ratio", "0.01"],
     "Adam top-k 0.01, update": ["--compression", "hvd_topk", "--optimizer", "adam", "--lr", "0.001", "--ratio",
                                 "0.01", "--compress", "update"],
+    "Adam top-k 0.01, update, no local momentum": ["--compression", "hvd_topk", "--optimizer", "adam", "--lr",
+                                                   "0.001", "--ratio", "0.01", "--compress", "update",
+                                                   "--local-momentum", "off"],
 }
 # The byte-level LM (examples/char_lm.py: AdamW, lr 2e-3, cosine schedule, clipping at 1.0).
 LM_CONFIGS = {
@@ -52,6 +55,20 @@ LM_CONFIGS = {
     "AdamW top-k 0.1, update, dense steps 100, allgather": [
         "--compression", "hvd_topk", "--ratio", "0.1", "--compress", "update", "--dense-steps", "100",
         "--communication", "allgather"],
+    # --local-momentum off: AdamW steps with beta1 = 0 once steps are compressed
+    "AdamW top-k 0.01, update, no local momentum, allgather": [
+        "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",
+        "--communication", "allgather"],
+    "AdamW top-k 0.01, update, no local momentum, dense steps 100, allgather": [
+        "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",
+        "--dense-steps", "100", "--communication", "allgather"],
+    "AdamW top-k 0.01, update, no local momentum, dense steps 100": [
+        "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",
+        "--dense-steps", "100"],
+    "AdamW dense, non-IID": ["--compression", "none", "--non-iid"],
+    "AdamW top-k 0.01, update, no local momentum, allgather, non-IID": [
+        "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",
+        "--communication", "allgather", "--non-iid"],
 }
 # example -> (script, configs, the metric the table shows)
 EXAMPLES = {"digits": ("digits_cnn.py", CONFIGS, "test_accuracy"),

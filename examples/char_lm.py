@@ -8,7 +8,7 @@ Launch (2 ranks, Gloo, on this machine):
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression topkef --ratio 0.01
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk --ratio 0.01
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk --ratio 0.01 \
-        --compress update --dense-steps 100 --communication allgather   # each rank's AdamW update compressed
+        --compress update --local-momentum off --communication allgather   # each rank's AdamW update
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression topkef --non-iid
     horovodrun -np 4 -H localhost:4 --gloo python examples/char_lm.py --n-layer 6 --d-model 256 \
         --block-size 256 --data my_corpus.txt --tensorboard runs/lm
