@@ -72,6 +72,8 @@ MODES = {
     "hvd_topk allgather": ["--compression", "hvd_topk", "--communication", "allgather"],
     "hvd_topk artopk": ["--compression", "hvd_topk", "--communication", "artopk"],
     "hvd_topk auto": ["--compression", "hvd_topk", "--communication", "auto"],
+    "hvd_topk allgather fp16": ["--compression", "hvd_topk", "--communication", "allgather", "--value-dtype",
+                                "float16"],
 }
 # Warm-up steps (at least) a mode needs before its steps are representative: auto probes the
 # link after step 1 and may then measure up to 4 plans, each taking 3 turns of 3 steps (hvd_topk/auto.py).
@@ -128,9 +130,10 @@ FULL = dict(part="steps,tta,accuracy", ranks="2,4", bandwidths=",".join(BANDWIDT
             accuracy_modes="dense,topkef,hvd_topk allgather,hvd_topk artopk",
             accuracy_length="cnn=15,cnn-wide=15,lm=150", non_iid="iid,non-iid")
 # --quick: the CI preset: one 2-rank job per mode through a 1 Gbit/s link, one short TTA run, no accuracy
-# (6 jobs; about 2 minutes on an idle 2-core machine, most of it job startup).
+# (7 jobs; about 2.5 minutes on an idle 2-core machine, most of it job startup).
 QUICK = dict(FULL, part="steps,tta", ranks="2", bandwidths="1gbit",
-             modes="dense,topkef,hvd_topk artopk,hvd_topk allgather", ratios="0.01", warmup=3, min_measured=5,
+             modes="dense,topkef,hvd_topk artopk,hvd_topk allgather,hvd_topk allgather fp16",
+             ratios="0.01", warmup=3, min_measured=5,
              max_measured=5, idle_seconds=1.5, tta_ranks=2, tta_budget=3.0, tta_points=3,
              tta_modes="hvd_topk artopk")
 # Seconds of a job outside its steps on an otherwise idle 2-core machine: launch, imports, rendezvous,
@@ -143,7 +146,7 @@ CYCLE_TIME_MS = "20"  # HOROVOD_CYCLE_TIME for every job, dense included (see th
 SCHEMES = ("dense", "fp16", "topkef", "artopk", "allgather")
 
 
-def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks):
+def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
     """Bytes per rank per step that ``scheme`` must put on the link (payload only: no headers, no
     control plane), from the gradients' shapes.
 
@@ -180,12 +183,16 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks):
                  values + flag and the k int32 indices + flag slot
     ===========  ======================================================  ==============================
 
+    With ``value_bytes`` = 2 (``value_dtype=torch.float16``) the compressed tensors' values and flag
+    take 2 bytes instead of 4; indices stay int32 and tensors sent dense keep their own dtype.
+
     Args:
         scheme: one of ``SCHEMES``.
         tensors: the run's ``tensors`` list of ``[name, numel, ndim]``.
         min_numel: tensors with fewer elements go dense.
         ratio: fraction kept (ignored by dense and fp16).
         ranks: N.
+        value_bytes: bytes per value of a compressed tensor on the wire (4, or 2 for float16).
 
     Returns:
         float bytes per rank per step (0 at N = 1).
@@ -212,9 +219,9 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks):
             continue
         k = k_for(numel, ratio)
         if scheme == "allgather":
-            total += (n - 1) * 8 * (k + 1)
+            total += (n - 1) * (value_bytes + 4) * (k + 1)
         else:
-            total += ring * 4 * (k + 1) + ((n - 1) / n * 4 * k if k < numel else 0.0)
+            total += ring * value_bytes * (k + 1) + ((n - 1) / n * 4 * k if k < numel else 0.0)
     return total
 
 
@@ -537,7 +544,8 @@ def steps_row(row, record, o, cp):
     mix = ", ".join(f"{t} {stats[f'auto_{t}']}" for t in ("dense", "artopk", "allgather") if stats.get(f"auto_{t}"))
     row["scheme"] = scheme or (f"auto mix: {mix}" if mix else "")
     if scheme is not None:
-        theo = theoretical_bytes(scheme, record["tensors"], record["min_numel"], ratio, record["ranks"])
+        theo = theoretical_bytes(scheme, record["tensors"], record["min_numel"], ratio, record["ranks"],
+                                 value_bytes=2 if record.get("value_dtype") == "float16" else 4)
         row.update(theoretical_bytes=theo, measured_over_theoretical=row["link_bytes"] / theo if theo else None,
                    excess_bytes=row["link_bytes"] - theo)
     rate = cp.get((record["ranks"], row["bandwidth"], row["cycle_ms"]))
@@ -796,7 +804,8 @@ def checks(steps, acc, runs=None):
                     f"{worst['bandwidth']}); range by ratio: {by_ratio}"))
     else:
         out.append(("(1) measured/theoretical <= 1.1 for every compressed mode", None, "no data"))
-    for label, bound in (("hvd_topk allgather", 25), ("hvd_topk artopk", 40), ("topkef", 40)):
+    for label, bound in (("hvd_topk allgather", 25), ("hvd_topk allgather fp16", 25), ("hvd_topk artopk", 40),
+                         ("topkef", 40)):
         rs = [r for r in ok if r["label"] == label and r["ranks"] == 4 and r.get("ratio") == 0.01
               and r.get("bytes_vs_dense")]
         text = "; ".join(f"{r['bandwidth']}: 1/{1 / r['bytes_vs_dense']:.1f}" for r in rs)
@@ -889,7 +898,9 @@ def notes(o):
         "broadcast, ring allgatherv; see `theoretical_bytes`), N ranks, k = max(1, ceil(ratio * numel)) per "
         "compressed tensor, dense tensors 2(N-1)/N * 4 * numel: dense 2(N-1)/N * 4 * numel; fp16 2(N-1)/N * 2 "
         "* numel; topkef and artopk 2(N-1)/N * 4(k+1) + (N-1)/N * 4k (values + flag allreduced, the leader's "
-        "int32 index set broadcast: (N-1) * 4k on the link, averaged over the ranks); allgather (N-1) * 8(k+1).",
+        "int32 index set broadcast: (N-1) * 4k on the link, averaged over the ranks); allgather (N-1) * 8(k+1); "
+        "with float16 values (mode 'hvd_topk allgather fp16', `value_dtype=torch.float16`) a compressed "
+        "tensor's values and flag take 2 bytes instead of 4 (allgather (N-1) * 6(k+1)).",
         "- **Step windows.** Each step's bytes are counted from the previous step's end to its own end on "
         "rank 0, so an asynchronous transfer (the next step's index broadcast) can land in a neighbouring "
         "window: the measured sum is off by up to about one step's broadcast, a share 1/M of it over M "
@@ -908,7 +919,8 @@ def notes(o):
         "on the machine: cycles run while ranks wait (for the link or for a core), so a loaded machine showed "
         "more of them than an idle one (`--part cycle` measures bytes and step time side by side).",
         "- **Allgather at 4 ranks, ratio 0.01.** Its theoretical bytes over dense are N(k+1)/numel = 0.04 = 1/25 "
-        "before any overhead, so 'at most 1/25 of dense' can only hold if dense carried more overhead than it.",
+        "before any overhead, so 'at most 1/25 of dense' can only hold if dense carried more overhead than it; "
+        "with float16 values ('hvd_topk allgather fp16') it is 3/4 of that, 0.03 = 1/33.",
         "- **TopKEF vs hvd_topk.** TopKEF (stock Horovod's Compressor) compresses every tensor of at least "
         "min_numel elements, 1-D included; hvd_topk.DistributedOptimizer sends 1-D tensors dense.",
         "- **auto.** Its first steps probe the link and may measure up to 4 plans in 3 turns of 3 steps each; "
@@ -1191,7 +1203,7 @@ def parse_args(argv):
     p.add_argument("--non-iid", help="comma-separated: iid, non-iid")
     p.add_argument("--burst", default="1mb", help="tbf burst (>= 1mb at MTU 9000)")
     p.add_argument("--cycle-time-ms", default=CYCLE_TIME_MS, help="HOROVOD_CYCLE_TIME of every job")
-    p.add_argument("--quick", action="store_true", help="the CI preset: 2 ranks, 1gbit, 4 modes, short")
+    p.add_argument("--quick", action="store_true", help="the CI preset: 2 ranks, 1gbit, 5 modes, short")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs and the estimate only")
     p.add_argument("--report-only", action="store_true", help="rebuild CSV, plots and report from <out>/raw")
     p.add_argument("--idle-worker", type=float, help=argparse.SUPPRESS)   # probe job's ranks; --out: JSON

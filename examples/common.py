@@ -61,6 +61,8 @@ def add_compression_args(parser):
     g.add_argument("--local-momentum", choices=["on", "off"], default="on",
                    help="hvd_topk, --compress update: off steps the optimizer without momentum (Adam's beta1 = 0) "
                         "once steps are compressed; error feedback's accumulation takes its place")
+    g.add_argument("--value-dtype", choices=["float32", "float16"], default="float32",
+                   help="hvd_topk: dtype of the compressed tensors' values on the wire")
     g.add_argument("--dense-steps", type=int, default=0,
                    help="hvd_topk: send the first N steps dense (a warm-up stage for Adam's statistics)")
     g.add_argument("--adaptive-ratio", action="store_true",
@@ -118,12 +120,13 @@ def make_distributed_optimizer(args, model, base_opt):
             momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
             adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every, compress=args.compress,
             local_momentum=args.local_momentum == "on",
+            value_dtype=torch.float16 if args.value_dtype == "float16" else None,
             **({} if args.adaptive_weight is None else {"adaptive_weight": args.adaptive_weight}))
         return opt, None
     if (args.adaptive_ratio or args.communication == "auto" or args.dense_steps or args.compress != "gradient"
-            or args.local_momentum != "on"):
-        raise ValueError("--adaptive-ratio, --communication auto, --dense-steps, --compress update and "
-                         "--local-momentum off need --compression hvd_topk")
+            or args.local_momentum != "on" or args.value_dtype != "float32"):
+        raise ValueError("--adaptive-ratio, --communication auto, --dense-steps, --compress update, "
+                         "--local-momentum off and --value-dtype float16 need --compression hvd_topk")
     comp = None
     if args.compression == "topkef":
         comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel)
@@ -169,6 +172,7 @@ class RunLog:
             "communication": _communication(args),
             "compress": args.compress if args.compression == "hvd_topk" else None,
             "local_momentum": args.local_momentum if args.compression == "hvd_topk" else None,
+            "value_dtype": args.value_dtype if args.compression == "hvd_topk" else None,
             "ranks": self.size,
             "model": model_name, "dataset": dataset, "non_iid": bool(non_iid),
             "num_params": sum(p.numel() for p in model.parameters()),

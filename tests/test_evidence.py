@@ -36,6 +36,11 @@ def test_theoretical_bytes_by_hand():
     assert theoretical_bytes("artopk", TENSORS, 1024, 0.01, 4) == pytest.approx(w_ar + 1.5 * 4 * 2048 + s_dense)
     assert theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4) == pytest.approx(
         3 * 8 * 101 + 1.5 * 4 * 2048 + s_dense)
+    # float16 values (value_dtype): 2 bytes per compressed value and flag; indices and dense tensors unchanged
+    assert theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4, value_bytes=2) == pytest.approx(
+        3 * 6 * 101 + 1.5 * 4 * 2048 + s_dense)
+    assert theoretical_bytes("artopk", TENSORS, 1024, 0.01, 4, value_bytes=2) == pytest.approx(
+        1.5 * 2 * 101 + 0.75 * 4 * 100 + 1.5 * 4 * 2048 + s_dense)
     # 2 ranks: ring 1.0, broadcast 0.5, allgather 1
     assert theoretical_bytes("artopk", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(4 * 11 + 0.5 * 4 * 10)
     assert theoretical_bytes("allgather", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(8 * 11)
@@ -161,19 +166,22 @@ def test_quick_grid(tmp_path):
         assert (out / name).stat().st_size > 0, name
     with open(out / "steps.csv") as f:
         rows = {r["label"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"dense", "topkef", "hvd_topk artopk", "hvd_topk allgather"}
+    assert set(rows) == {"dense", "topkef", "hvd_topk artopk", "hvd_topk allgather", "hvd_topk allgather fp16"}
     for label, r in rows.items():
         assert r["status"] == "ok", (label, r["error"])
         assert r["params_identical"] == "True", label
     dense = float(rows["dense"]["link_bytes"])
     # the counters are real: a dense ring allreduce of 6.3M fp32 values on 2 ranks moves >= 25 MB per rank
     assert dense >= 0.95 * float(rows["dense"]["theoretical_bytes"])
-    for label in ("topkef", "hvd_topk artopk", "hvd_topk allgather"):
+    for label in ("topkef", "hvd_topk artopk", "hvd_topk allgather", "hvd_topk allgather fp16"):
         r = rows[label]
         print(f"{label}: {float(r['link_bytes']):,.0f} B/rank/step, 1/{dense / float(r['link_bytes']):.0f} of dense, "
               f"measured/theoretical {float(r['measured_over_theoretical']):.3f}")
         assert float(r["link_bytes"]) <= dense / 20, label
         assert float(r["measured_over_theoretical"]) <= RATIO_BOUND, label
+    # float16 values: 6 bytes per sent element instead of 8 (int32 indices either way)
+    fp16, fp32 = (float(rows[label]["link_bytes"]) for label in ("hvd_topk allgather fp16", "hvd_topk allgather"))
+    assert fp16 <= 0.85 * fp32
     report = (out / "report.md").read_text()
     assert "## Targets" in report and "measured/theoretical" in report
     # the report can be rebuilt from the raw records alone
