@@ -2,8 +2,10 @@
 
 - AR-Topk (Tyagi & Swany, arXiv 2312.02493): one leader's index set is shared by all ranks and the k
   values are allreduced. ``IndexPipeline`` shares the index sets: by default the leader of step t+1
-  picks its set during step t and sends it (int32) with an asynchronous broadcast that completes while
-  the step goes on ("one step stale"), so the backward pass never waits on a collective per tensor.
+  picks its set during step t ("one step stale"), and at the end of step t one asynchronous allgather
+  carries every tensor's set (each rank contributes the sets it leads), so the backward pass never
+  waits on a collective per tensor, and a step costs one index collective, not one per tensor
+  (Horovod fuses neither broadcasts nor negotiates them through its response cache).
 - Sparse allgather: every rank sends its own (values, int32 indices); receivers scatter-add.
 """
 import torch
@@ -47,15 +49,23 @@ def star_leader(key_index, step, size):
 class IndexPipeline:
     """Shared AR-Topk index sets, per key (tensor), identical on every rank.
 
+    Default (one step stale): ``select`` sends the values at the set shared during the previous step
+    and, on the next step's leader, picks the next set; ``flush`` (called on every rank once the step's
+    last ``select`` is done) starts one allgather with every set of the step: rank r contributes the
+    sets it leads, in key order, and every rank splits the result by the (key, k, leader) plan, which
+    is identical on all ranks. The next step's first ``select`` waits for it (long finished by then).
+
     Args:
         name: prefix of the Horovod collective names (must be identical on all ranks).
-        sync: broadcast the current step's index set and wait for it, instead of one step stale.
+        sync: broadcast the current step's index set inside ``select`` and wait for it, instead.
     """
 
     def __init__(self, name, sync=False):
         self.name = name
         self.sync = sync
-        self.pending = {}          # key -> (handle or None, int32 index buffer) for the next step
+        self.outgoing = {}         # key -> (k, leader, int32 set or None): picked this step, not yet sent
+        self.in_flight = None      # (allgather handle, [(key, k, leader)]) of the last flush
+        self.ready = {}            # key -> int32 index set for the next step
 
     def current(self, key, acc, k, leader):
         """The int64 index set every rank uses for ``key`` now; ``leader`` picks it if ``sync``."""
@@ -65,15 +75,14 @@ class IndexPipeline:
             if mpi_ops.size() > 1:
                 mpi_ops.broadcast_(buf, root_rank=leader, name=f"{self.name}.{key}")
             return buf.long()
-        handle, buf = self.pending.pop(key, (None, None))
-        if handle is not None:
-            mpi_ops.synchronize(handle)
+        self._receive()
+        buf = self.ready.pop(key, None)
         if buf is None or buf.numel() != k:    # first step, or k changed: any shared set is valid
             return spread_indices(acc.numel(), k, device=acc.device)
         return buf.long()
 
     def select(self, key, acc, grad, k, leader, k_next, next_leader):
-        """(indices, values) every rank sends for ``key`` now; starts sharing the next step's set.
+        """(indices, values) every rank sends for ``key`` now; picks the next step's set for ``flush``.
 
         ``leader`` picks the set if ``sync``; ``next_leader`` picks the next one (k_next entries)."""
         indices = self.current(key, acc, k, leader)
@@ -83,35 +92,62 @@ class IndexPipeline:
         return indices, values
 
     def launch_next(self, key, acc, grad, indices, k, leader):
-        """Leader of the next step picks top-k of (acc minus what is sent now, plus this gradient).
+        """Leader of the next step picks top-k of (acc minus what is sent now, plus this gradient);
+        the set leaves with the step's ``flush``.
 
         ``acc`` still holds the values being sent at ``indices``; it is returned unchanged."""
         if self.sync:
             return
+        buf = None
         if mpi_ops.rank() == leader:
             sent = acc.index_select(0, indices)
             acc.index_copy_(0, indices, grad.index_select(0, indices))   # predicts acc of next step
             buf = topk_indices(acc, k).to(torch.int32)
             acc.index_copy_(0, indices, sent)
-        else:
-            buf = torch.empty(k, dtype=torch.int32, device=acc.device)
-        handle = None
-        if mpi_ops.size() > 1:
-            handle = mpi_ops.broadcast_async_(buf, root_rank=leader, name=f"{self.name}.{key}")
-        self.pending[key] = (handle, buf)
+        self.outgoing[key] = (k, leader, buf)
+
+    def flush(self):
+        """Start sharing the sets picked this step: one asynchronous allgather. Collective: every rank
+        calls it at the same point of the step, with the same keys picked."""
+        if not self.outgoing:
+            return
+        self._receive()                         # a set nobody picked up: its step went dense
+        plan = [(key,) + self.outgoing[key][:2] for key in sorted(self.outgoing)]
+        mine = [self.outgoing[key][2] for key, _, leader in plan if leader == mpi_ops.rank()]
+        self.outgoing = {}
+        if mpi_ops.size() == 1:
+            self.ready = {key: buf for (key, _, _), buf in zip(plan, mine)}
+            return
+        device = mine[0].device if mine else torch.device("cpu")
+        block = torch.cat(mine) if mine else torch.empty(0, dtype=torch.int32, device=device)
+        self.in_flight = (mpi_ops.allgather_async(block.reshape(-1, 1), name=f"{self.name}.sets"), plan)
+
+    def _receive(self):
+        """Wait for the last flush's allgather and split it into ``ready`` by its plan."""
+        if self.in_flight is None:
+            return
+        handle, plan = self.in_flight
+        self.in_flight = None
+        gathered = mpi_ops.synchronize(handle).reshape(-1)
+        self.ready, offset = {}, 0
+        for rank in range(mpi_ops.size()):      # rank r's block: the sets it leads, in key order
+            for key, k, leader in plan:
+                if leader == rank:
+                    self.ready[key] = gathered[offset:offset + k]
+                    offset += k
 
     def state_dict(self):
-        """Pending index sets (waits for in-flight broadcasts)."""
-        out = {}
-        for key, (handle, buf) in self.pending.items():
-            if handle is not None:
-                mpi_ops.synchronize(handle)
-            out[key] = buf.clone()
-        self.pending = {key: (None, buf) for key, buf in out.items()}
-        return out
+        """The sets shared for the next step (waits for the allgather in flight); call it after the
+        step's ``flush``."""
+        if self.outgoing:
+            raise RuntimeError("IndexPipeline.state_dict() during a step: the sets picked in it are not "
+                               "shared yet (call it between steps)")
+        self._receive()
+        return {key: buf.clone() for key, buf in self.ready.items()}
 
     def load_state_dict(self, state):
-        self.pending = {key: (None, buf.clone()) for key, buf in state.items()}
+        self.outgoing, self.in_flight = {}, None
+        self.ready = {key: buf.clone() for key, buf in state.items()}
 
 
 def allgather_sparse_async(values, indices, name):

@@ -6,7 +6,8 @@ arXiv 2312.02493): all ranks send their accumulator at one *shared* index set, c
 rank (STAR: round robin), and the k values are allreduced.
 
 How the index set is shared without a blocking collective per parameter: see ``comm.IndexPipeline``
-(one step stale, asynchronous broadcast; ``sync_indices=True`` broadcasts inside compress and waits).
+(one step stale: one asynchronous allgather per step carries every tensor's set; ``sync_indices=True``
+broadcasts inside compress and waits).
 """
 import math
 import numbers
@@ -71,7 +72,7 @@ class TopKEF(Compressor):
         ratio: fraction of elements kept per tensor, in (0, 1]. 1.0 sends everything (dense result).
         min_numel: tensors with fewer elements go dense; >= 0.
         sync_indices: share the current step's index set with a blocking broadcast inside compress,
-            instead of the default one-step-stale asynchronous broadcast.
+            instead of the default: one step stale, one asynchronous allgather of every set per step.
 
     Example:
         >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
@@ -108,6 +109,12 @@ class TopKEF(Compressor):
     @_ClassOrInstance
     def compress(self, tensor):
         """Horovod contract: ``(tensor_to_allreduce, ctx)``; the first is ``[k values..., flag]``."""
+        out = self._compress(tensor)
+        if self.slots.complete and self.slots.position == len(self.slots.signatures):
+            self.index_sets.flush()            # the step's last gradient: share the next sets now
+        return out
+
+    def _compress(self, tensor):
         if not tensor.is_floating_point():
             return tensor, _Ctx(dense=True)
         slot = self.slots.next_slot(tensor)
@@ -155,7 +162,9 @@ class TopKEF(Compressor):
         return out
 
     def _end_step(self):
-        """Commit the step's residuals if it was finite everywhere; otherwise keep the old ones."""
+        """Commit the step's residuals if it was finite everywhere; otherwise keep the old ones. Start
+        sharing the next step's index sets if the last compress did not (the first step)."""
+        self.index_sets.flush()
         if not self._nonfinite:
             for slot, residual in self._commits:
                 self.memory.update(slot, residual)

@@ -331,6 +331,7 @@ class _TopKState:
         every gradient on every rank was finite (the decision is identical on all ranks, since it is
         read from aggregated values); advance the step; share the VAR score. Returns True if the
         step was non-finite."""
+        self.index_sets.flush()               # the next step's AR-Topk index sets, one allgather
         nonfinite = self.nonfinite
         if not nonfinite:
             for commit in self.commits:

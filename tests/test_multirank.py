@@ -63,3 +63,15 @@ def test_a_failing_rank_fails_the_job_instead_of_hanging(run_ranks):
 def test_layer_frozen_mid_run_raises_instead_of_mixing_residuals(run_ranks):
     with pytest.raises(JobFailed, match="sequence of gradients changed"):
         run_ranks(2, "train.py", "--steps", 10, "--freeze-step", 5, "--ratio", 0.1, timeout=120)
+
+
+def test_one_allgather_per_step_gives_every_rank_each_leaders_index_set(run_ranks):
+    """IndexPipeline on 4 ranks with 3 keys: each step one rank leads two sets, one leads one and two
+    lead none (empty blocks in the allgather); odd ranks pick in reverse key order; every rank still
+    gets each leader's set."""
+    results = run_ranks(4, "index_sets.py", "--steps", 6)
+    for res in results:
+        assert len(res["checks"]) == 5 * 3
+        assert all(c["equal"] for c in res["checks"]), [c for c in res["checks"] if not c["equal"]]
+        assert {c["leader"] for c in res["checks"]} == {0, 1, 2, 3}
+        assert res["state_keys"] == ["a", "b", "c"]

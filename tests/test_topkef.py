@@ -166,3 +166,18 @@ def test_state_dict_roundtrip_continues_identically(hvd):
     resumed.load_state_dict(first.state_dict())
     for g, expected in zip(grads[4:], outs_ref[4:]):
         assert torch.equal(roundtrip(resumed, g)[1], expected)
+
+
+def test_index_pipeline_shares_sets_at_flush_and_refuses_a_checkpoint_mid_step(hvd):
+    from hvd_topk.comm import IndexPipeline
+    from hvd_topk.sparsify import topk_indices
+    pipe = IndexPipeline("test.pipe")
+    acc = torch.randn(100)
+    sent = pipe.current("w", acc, 5, leader=0)          # first step: the evenly spaced set
+    assert sent.tolist() == [0, 20, 40, 60, 80]
+    pipe.launch_next("w", acc, acc, sent, 5, leader=0)
+    with pytest.raises(RuntimeError, match="between steps"):
+        pipe.state_dict()                                # picked, not yet shared
+    pipe.flush()
+    assert torch.equal(pipe.state_dict()["w"].long(), topk_indices(acc, 5))
+    assert torch.equal(pipe.current("w", acc, 5, leader=0), topk_indices(acc, 5))
