@@ -3,7 +3,8 @@ side in one run.
 
 A deep MLP (default 31 Linear layers = 62 parameter tensors) on 2 ranks (horovodrun, Gloo) in a
 private network namespace with an unlimited loopback. Modes: dense; TopKEF in stock Horovod with the
-one-step-stale asynchronous index broadcast (default) and with a blocking index broadcast per tensor;
+one-step-stale index sets (default: one asynchronous allgather per step) and with a blocking index
+broadcast per tensor;
 hvd_topk.DistributedOptimizer (momentum correction on) with artopk layerwise, artopk global, allgather,
 and at density 1 (ratio 1.0, the path of dense_steps and of auto's all-dense plan; and
 communication='dense').

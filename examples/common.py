@@ -143,7 +143,8 @@ class RunLog:
     only rank 0 keeps the records and writes. Per optimizer step it records the step's wall time
     (``begin_step`` to ``end_step``: put them around zero_grad/forward/backward/step) and the bytes
     sent on the loopback since the previous step boundary (so traffic finishing between steps, such
-    as an asynchronous index broadcast, is counted; the lists sum to the whole training traffic).
+    as the asynchronous allgather of the next step's index sets, is counted; the lists sum to the whole
+    training traffic).
     Time inside ``paused()`` (evaluation, checkpoints) is left out of the training wall clock.
 
     Args:

@@ -81,7 +81,7 @@ class TopKEF(Compressor):
         ...                                compression=TopKEF(ratio=0.001))
     """
 
-    _instances = 0            # creation counter: names the index broadcasts identically on all ranks
+    _instances = 0            # creation counter: names the index collectives identically on all ranks
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False):
         self.ratio = _check_ratio(ratio)
