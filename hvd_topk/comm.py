@@ -5,7 +5,7 @@
   picks its set during step t ("one step stale"), and at the end of step t one asynchronous allgather
   carries every tensor's set (each rank contributes the sets it leads), so the backward pass never
   waits on a collective per tensor, and a step costs one index collective, not one per tensor
-  (Horovod fuses neither broadcasts nor negotiates them through its response cache).
+  (Horovod neither fuses broadcasts nor keeps them in its response cache: each one is negotiated).
 - Sparse allgather: every rank sends its own (values, int32 indices); receivers scatter-add.
 """
 import torch

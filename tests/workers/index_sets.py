@@ -4,7 +4,7 @@ allgather, and every rank must receive, for each key, exactly the set its leader
 Each rank builds the accumulators of every rank (seeded by rank, step and key), so it can compute the
 set each leader must have sent. Each step one rank leads two sets, one leads one, and with 3 or more
 ranks some lead none (an empty block); odd ranks pick their sets in reverse key order (the plan must
-not depend on it). Writes ``<out>/rank<r>.pt`` with the checks and how many collectives a step started.
+not depend on it). Writes ``<out>/rank<r>.pt`` with the checks and the keys of the final state.
 """
 import argparse
 import os
