@@ -7,14 +7,16 @@
   waits on a collective per tensor, and a step costs one index collective, not one per tensor
   (Horovod neither fuses broadcasts nor keeps them in its response cache: each one is negotiated).
 - Sparse allgather: every rank sends its own (values, int32 indices); receivers scatter-add.
+- ``Collectives`` starts the optimizer's allreduces and allgathers, one by one or, with Horovod's
+  ``groups``, a group's tensors together as one grouped collective per kind and dtype.
 """
 import torch
 from horovod.torch import mpi_ops
 
 from .sparsify import spread_indices, topk_indices
 
-__all__ = ["IndexPipeline", "star_leader", "finite_flag", "flag_raised", "allgather_sparse_async",
-           "scatter_add_gathered", "agree"]
+__all__ = ["IndexPipeline", "Collectives", "star_leader", "finite_flag", "flag_raised",
+           "allgather_sparse_async", "scatter_add_gathered", "agree"]
 
 
 def agree(values, name, average=True):
@@ -150,16 +152,105 @@ class IndexPipeline:
         self.ready = {key: buf.clone() for key, buf in state.items()}
 
 
-def allgather_sparse_async(values, indices, name):
-    """Start allgathers of this rank's ``values`` and int32 ``indices``; returns their handles."""
-    return (mpi_ops.allgather_async(values.reshape(-1, 1), name=f"{name}.values"),
-            mpi_ops.allgather_async(indices.to(torch.int32).reshape(-1, 1), name=f"{name}.indices"))
+class Collectives:
+    """The allreduces and allgathers of the optimizer's tensors, grouped as Horovod's ``groups`` are.
+
+    A key (tensor) in no group starts its collective at once. The keys of a group wait until each of
+    them has been submitted once, then start together: one grouped allreduce and one grouped
+    allgather per dtype, tensors in key order, which Horovod negotiates as one and fuses into one
+    buffer, so the step sends fewer and larger messages (at small ratios the per-message cost
+    dominates: see README). The first ``wait`` of a step starts every group still pending as it is:
+    the same on every rank when every rank submitted the same keys, as Horovod's collectives require
+    anyway.
+
+    Args:
+        name: prefix of the grouped collectives' names (identical on all ranks).
+        groups: lists of keys; a key in no list is in no group.
+    """
+
+    def __init__(self, name, groups=()):
+        self.name = name
+        self.group_of = {key: gid for gid, keys in enumerate(groups) for key in keys}
+        self.sizes = [len(keys) for keys in groups]
+        self.pending = {}          # group id -> {key: [(kind, tensor, options, slot)]}
+        self.launched = {}         # group id -> launches this step (names stay the same step to step,
+                                   # so Horovod's response cache hits)
+
+    def allreduce(self, key, tensor, name, op, prescale_factor=1.0, postscale_factor=1.0, inplace=False):
+        """Start (or queue in ``key``'s group) an allreduce; returns ``wait() -> output``. ``inplace``
+        reduces ``tensor`` itself when it starts at once."""
+        options = dict(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        if key not in self.group_of:
+            start = mpi_ops.allreduce_async_ if inplace else mpi_ops.allreduce_async
+            handle = start(tensor, name=name, **options)
+            return lambda: mpi_ops.synchronize(handle)
+        return self._queue(key, [("allreduce", tensor, options)])[0]
+
+    def allgather(self, key, tensors, name):
+        """Start (or queue in ``key``'s group) an allgather of each of ``tensors`` (named
+        ``{name}.{i}``); returns one ``wait() -> output`` per tensor."""
+        if key not in self.group_of:
+            handles = [mpi_ops.allgather_async(t, name=f"{name}.{i}") for i, t in enumerate(tensors)]
+            return [lambda h=h: mpi_ops.synchronize(h) for h in handles]
+        return self._queue(key, [("allgather", t, {}) for t in tensors])
+
+    def _queue(self, key, items):
+        gid = self.group_of[key]
+        group = self.pending.setdefault(gid, {})
+        if key in group:
+            raise RuntimeError(f"hvd_topk: tensor {key!r} submitted twice in one step")
+        slots = [{} for _ in items]
+        group[key] = [item + (slot,) for item, slot in zip(items, slots)]
+        if len(group) == self.sizes[gid]:
+            self._launch(gid)
+        return [lambda slot=slot: self._wait(slot) for slot in slots]
+
+    def _launch(self, gid):
+        """Start the group's collectives: one per (kind, dtype, options), tensors in key order."""
+        group = self.pending.pop(gid)
+        batches = {}
+        for key in sorted(group):
+            for kind, tensor, options, slot in group[key]:
+                batch_key = (kind, str(tensor.dtype), tuple(sorted(options.items())))
+                batches.setdefault(batch_key, []).append((tensor, slot))
+        again = self.launched.get(gid, 0)
+        self.launched[gid] = again + 1
+        for i, ((kind, _, options), batch) in enumerate(sorted(batches.items(), key=lambda b: repr(b[0]))):
+            name = f"{self.name}.{gid}.{i}.{kind}" + (f".{again}" if again else "")
+            tensors = [t for t, _ in batch]
+            handle = (mpi_ops.grouped_allreduce_async(tensors, name=name, **dict(options)) if kind == "allreduce"
+                      else mpi_ops.grouped_allgather_async(tensors, name=name))
+            shared = {"handle": handle}
+            for j, (_, slot) in enumerate(batch):
+                slot.update(shared=shared, index=j)
+
+    def end_step(self):
+        """Call on every rank after the step's last ``wait``."""
+        if self.pending:
+            raise RuntimeError(f"hvd_topk: groups {sorted(self.pending)} were submitted but never waited for")
+        self.launched = {}
+
+    def _wait(self, slot):
+        """The output of one queued tensor (its group's grouped collective waited for once)."""
+        if "shared" not in slot:               # the group is incomplete: start every pending group
+            for gid in sorted(self.pending):
+                self._launch(gid)
+        shared = slot["shared"]
+        if "outputs" not in shared:
+            shared["outputs"] = mpi_ops.synchronize(shared.pop("handle"))
+        return shared["outputs"][slot["index"]]
 
 
-def scatter_add_gathered(handles, numel, dtype):
+def allgather_sparse_async(collectives, key, values, indices, name):
+    """Start (through ``collectives``, in ``key``'s group if it has one) allgathers of this rank's
+    ``values`` and int32 ``indices``; returns their ``wait`` callables."""
+    return collectives.allgather(key, [values.reshape(-1, 1), indices.to(torch.int32).reshape(-1, 1)], name)
+
+
+def scatter_add_gathered(waits, numel, dtype):
     """Wait for ``allgather_sparse_async`` and scatter-add every rank's set into a dense vector."""
-    values = mpi_ops.synchronize(handles[0]).reshape(-1)
-    indices = mpi_ops.synchronize(handles[1]).reshape(-1).long()
+    values = waits[0]().reshape(-1)
+    indices = waits[1]().reshape(-1).long()
     dense = torch.zeros(numel, dtype=dtype, device=values.device)
     dense.index_add_(0, indices, values.to(dtype))
     return dense

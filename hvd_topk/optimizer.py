@@ -18,14 +18,16 @@ import warnings
 from typing import NamedTuple
 
 import torch
+from horovod.common.util import split_list
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compression
+from horovod.torch.functions import broadcast_object
 from horovod.torch.mpi_ops import Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from .auto import DEFAULT_RATIOS, DEFAULT_WEIGHT, MODES, AutoTuner
-from .comm import (IndexPipeline, allgather_sparse_async, finite_flag, flag_raised, scatter_add_gathered,
-                   star_leader)
+from .comm import (Collectives, IndexPipeline, allgather_sparse_async, finite_flag, flag_raised,
+                   scatter_add_gathered, star_leader)
 from .compression import TopKEF
 from .memory import ResidualMemory
 from .sparsify import k_for, scatter_dense, sq_norm_finite, topk_indices
@@ -86,6 +88,7 @@ class _TopKState:
         self.residuals = ResidualMemory()     # name -> v (DGC) or e (plain error feedback)
         self.velocities = {}                  # name -> u, DGC momentum buffer
         self.index_sets = IndexPipeline("hvd_topk.opt.indices")
+        self.collectives = Collectives("hvd_topk.group")   # groups set by _init (Horovod's ``groups``)
         self.step = 0                         # synchronized steps, identical on all ranks
         self.epoch = 0
         self.score = 0.0                      # VAR: EWMA of this rank's squared gradient norm
@@ -256,12 +259,12 @@ class _TopKState:
             buf = torch.cat([values.to(vdtype), flag.to(vdtype)])
             self.stats.add_sent(buf.numel() * buf.element_size(), sq_norm_finite(values)[0], acc_sq,
                                 select_s=time.perf_counter() - t0)
-            handle = mpi_ops.allreduce_async_(buf, name=f"hvd_topk.values.{key}", op=self.op,
-                                              prescale_factor=self.prescale, postscale_factor=self.postscale)
+            wait = self.collectives.allreduce(key, buf, f"hvd_topk.values.{key}", self.op, self.prescale,
+                                              self.postscale, inplace=True)
             residual = None if indices is None else acc.index_fill_(0, indices, 0)
 
             def finish():
-                out = mpi_ops.synchronize(handle)
+                out = wait()
                 if flag_raised(out[-1]):
                     return None, None, None
                 vals = out[:-1].to(acc.dtype)
@@ -273,14 +276,14 @@ class _TopKState:
         vbuf = torch.cat([values.to(vdtype), flag.to(vdtype)])
         self.stats.add_sent(vbuf.numel() * vbuf.element_size() + 4 * k, sq_norm_finite(values)[0], acc_sq,
                             select_s=time.perf_counter() - t0)
-        handles = allgather_sparse_async(vbuf, torch.cat([indices, indices.new_full((1,), n)]),
-                                         f"hvd_topk.allgather.{key}")
+        waits = allgather_sparse_async(self.collectives, key, vbuf, torch.cat([indices, indices.new_full((1,), n)]),
+                                       f"hvd_topk.allgather.{key}")
         residual = None if k == n else acc.index_fill_(0, indices, 0)
 
         def finish():
             # Every rank's flag sits at index n (one past the end) of its set: the last entry of a
             # dense vector of n + 1 elements sums all flags.
-            dense = scatter_add_gathered(handles, n + 1, acc.dtype)
+            dense = scatter_add_gathered(waits, n + 1, acc.dtype)
             if flag_raised(dense[-1]):
                 return None, None, None
             dense = dense[:-1]
@@ -298,11 +301,11 @@ class _TopKState:
         vdtype = acc.dtype if keep_dtype else self.value_dtype or acc.dtype
         buf = acc if acc.dtype == vdtype else acc.to(vdtype)
         self.stats.add_sent(buf.numel() * buf.element_size(), sent_sq=0.0, acc_sq=0.0, dense=True)
-        handle = mpi_ops.allreduce_async(buf, name=f"hvd_topk.{collective}.{key}", op=self.op,
-                                         prescale_factor=self.prescale, postscale_factor=self.postscale)
+        wait = self.collectives.allreduce(key, buf, f"hvd_topk.{collective}.{key}", self.op, self.prescale,
+                                          self.postscale)
 
         def finish():
-            out = mpi_ops.synchronize(handle)
+            out = wait()
             if not sq_norm_finite(out)[1]:
                 return None, None, None
             return out.to(acc.dtype), None, None
@@ -332,6 +335,7 @@ class _TopKState:
         read from aggregated values); advance the step; share the VAR score. Returns True if the
         step was non-finite."""
         self.index_sets.flush()               # the next step's AR-Topk index sets, one allgather
+        self.collectives.end_step()
         nonfinite = self.nonfinite
         if not nonfinite:
             for commit in self.commits:
@@ -412,7 +416,7 @@ class _TopKState:
 # -- methods of the dynamic class (Horovod's style: super(self.__class__, self)) ---------------------
 
 def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_step, op,
-          gradient_predivide_factor, process_set, momentum_correction):
+          gradient_predivide_factor, process_set, momentum_correction, groups):
     _DistributedOptimizer.__init__(self, params, named_parameters, Compression.none,
                                    backward_passes_per_step, op, gradient_predivide_factor,
                                    None, False, process_set)
@@ -423,6 +427,8 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
               if q.requires_grad and self._hvd_topk.is_sparse(q)}
     self._hvd_topk.sparse_numels = {GLOBAL_KEY: sum(sparse.values())} if \
         self._hvd_topk.selection == "global" and sparse else sparse
+    if groups is not None:
+        self._hvd_topk.collectives = Collectives("hvd_topk.group", _key_groups(self, groups))
     if momentum_correction:
         for group in self.param_groups:
             mom = _Momentum(group.get("momentum", 0.0), group.get("dampening", 0.0),
@@ -432,6 +438,24 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
             # The inner optimizer applies the aggregated update without momentum or weight decay:
             # both already live in the per-rank buffers (DGC momentum correction).
             group.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
+
+
+def _key_groups(self, groups):
+    """Horovod's ``groups`` as lists of keys: an int N splits the parameters (rank 0's order, as Horovod
+    does) into N contiguous groups; a list of lists of parameters gives the groups, every other
+    parameter is alone. With global selection the compressed tensors travel in the bucket instead."""
+    params = [q for group in self.param_groups for q in group["params"] if q.requires_grad]
+    names = broadcast_object([self._parameter_names[q] for q in params], root_rank=0, name="hvd_topk.groups")
+    if sorted(names) != sorted(self._parameter_names[q] for q in params):
+        raise ValueError("groups: the ranks' models have different parameters")
+    if isinstance(groups, list):
+        lists = [[self._parameter_names[q] for q in group if q.requires_grad] for group in groups]
+    else:
+        lists = split_list(names, groups)
+    if self._hvd_topk.selection == "global":
+        bucketed = {self._parameter_names[q] for q in params if self._hvd_topk.is_sparse(q)}
+        lists = [[n for n in keys if n not in bucketed] for keys in lists]
+    return [keys for keys in lists if len(keys) > 1]
 
 
 def _allreduce_grad_async(self, p):
@@ -587,7 +611,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
                          communication="artopk", leader="star", value_dtype=None, grad_scaler=None,
                          selection="layerwise", adaptive_ratio=None, adaptive_weight=DEFAULT_WEIGHT, auto_every=50,
-                         dense_steps=0, compress="gradient", local_momentum=True):
+                         dense_steps=0, compress="gradient", local_momentum=True, groups=None):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
 
     Args:
@@ -640,6 +664,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             momentum; keeping the optimizer's own momentum on top of it overshoots (measured on the
             byte-level LM, see README). Adam's second moment is untouched. True (default) keeps the
             optimizer as it is.
+        groups: as in Horovod: None (every tensor's collective starts as soon as it is ready), an int
+            N >= 1 (the parameters split into N contiguous groups) or a list of lists of parameters
+            (each list a group; every other parameter alone). The collectives of a group start together
+            once all its gradients are ready, one grouped collective per kind and dtype: fewer, larger
+            messages (at small ratios the per-message cost dominates), at the price of less overlap
+            with the backward pass. With ``selection='global'`` the compressed tensors are in the
+            bucket and only the others are grouped.
 
     Returns:
         An optimizer of a subclass of ``optimizer``'s class with Horovod's ``synchronize()``,
@@ -711,13 +742,36 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                          f"(got {type(optimizer).__name__} without momentum)")
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
+    _check_groups(groups, optimizer)
     state = _TopKState([n for n, _ in named_parameters], compression, communication, selection, leader, value_dtype,
                        warmup_steps, warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler,
                        tuner, dense_steps, compress, local_momentum)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
     return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set, bool(momentum_correction))
+               gradient_predivide_factor, process_set, bool(momentum_correction), groups)
+
+
+def _check_groups(groups, optimizer):
+    """ValueError unless ``groups`` is None, an int >= 1 or a list of lists of the optimizer's
+    parameters, each at most once (Horovod's accepted values)."""
+    if groups is None:
+        return
+    if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
+        if groups < 1:
+            raise ValueError(f"groups must be None, an integer >= 1 or a list of lists of parameters, got {groups!r}")
+        return
+    if not isinstance(groups, list) or not all(isinstance(g, (list, tuple)) for g in groups):
+        raise ValueError(f"groups must be None, an integer >= 1 or a list of lists of parameters, got {groups!r}")
+    mine = {id(q) for group in optimizer.param_groups for q in group["params"]}
+    seen = set()
+    for group in groups:
+        for q in group:
+            if not isinstance(q, torch.Tensor) or id(q) not in mine:
+                raise ValueError("groups: every entry must be a parameter of the optimizer")
+            if id(q) in seen:
+                raise ValueError("groups: a parameter can only appear once")
+            seen.add(id(q))
 
 
 def _adaptive_ratios(adaptive_ratio, ratio, communication):

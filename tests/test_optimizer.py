@@ -1,4 +1,6 @@
 """hvd_topk.DistributedOptimizer: bad input in one process; behaviour in real multi-rank jobs."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -28,10 +30,59 @@ def make(hvd, **kw):
     ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an integer >= 1"),
     ({"compression": "topk"}, "compression must be TopKEF"),
     ({"value_dtype": torch.int32}, "value_dtype must be a floating torch dtype"),
+    ({"groups": 0}, "groups must be None, an integer >= 1 or a list of lists of parameters"),
+    ({"groups": True}, "groups must be None, an integer >= 1 or a list of lists of parameters"),
+    ({"groups": "2"}, "groups must be None, an integer >= 1 or a list of lists of parameters"),
+    ({"groups": [torch.zeros(2)]}, "groups must be None, an integer >= 1 or a list of lists of parameters"),
+    ({"groups": [[torch.zeros(2)]]}, "groups: every entry must be a parameter of the optimizer"),
 ])
 def test_bad_arguments_raise_value_error_naming_them(hvd, kw, match):
     with pytest.raises(ValueError, match=match):
         make(hvd, **kw)
+
+
+def test_groups_refuse_a_parameter_twice_and_map_to_keys(hvd):
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    w = model[0].weight
+    with pytest.raises(ValueError, match="groups: a parameter can only appear once"):
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(), groups=[[w], [w, model[1].weight]])
+    # an int splits the parameters in order into contiguous groups, as Horovod's split_list does
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), groups=2)
+    assert opt._hvd_topk.collectives.group_of == {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": 1}
+    # lists: the parameters listed together; a group of one is no group; global selection leaves the
+    # compressed tensors to its bucket
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), selection="global",
+                                        compression=TopKEF(min_numel=16),
+                                        groups=[[w, model[0].bias, model[1].bias], [model[1].weight]])
+    assert opt._hvd_topk.collectives.group_of == {"0.bias": 0, "1.bias": 0}
+
+
+def test_collectives_start_a_group_once_every_key_is_in(hvd):
+    from hvd_topk.comm import Collectives
+    c = Collectives("t.groups", [["a", "b"], ["c", "d"]])
+    x = {k: torch.full((3,), float(i + 1)) for i, k in enumerate("abcde")}
+    wait_b = c.allreduce("b", x["b"], "t.b", hvd.Sum)
+    assert set(c.pending) == {0}
+    with pytest.raises(RuntimeError, match="submitted twice"):
+        c.allreduce("b", x["b"], "t.b", hvd.Sum)
+    (wait_a_vals, wait_a_idx) = c.allgather("a", [x["a"].reshape(-1, 1), torch.arange(2, dtype=torch.int32)], "t.a")
+    assert c.pending == {}                           # group 0 complete: started
+    wait_e = c.allreduce("e", x["e"], "t.e", hvd.Sum)      # in no group: started at once
+    wait_c = c.allreduce("c", x["c"], "t.c", hvd.Sum, postscale_factor=0.5)
+    assert set(c.pending) == {1}                     # "d" never comes
+    assert torch.equal(wait_b(), x["b"]) and torch.equal(wait_e(), x["e"])
+    assert torch.equal(wait_a_vals().reshape(-1), x["a"])
+    assert torch.equal(wait_a_idx(), torch.arange(2, dtype=torch.int32))
+    assert torch.equal(wait_c(), x["c"] * 0.5)      # the first wait of an incomplete group starts it
+    assert c.pending == {} and c.launched == {0: 1, 1: 1}
+    c.end_step()
+    assert c.launched == {}
+    c.allreduce("a", x["a"], "t.a", hvd.Sum)
+    with pytest.raises(RuntimeError, match="never waited for"):
+        c.end_step()
 
 
 def test_adasum_is_refused(hvd):
@@ -168,15 +219,16 @@ def test_checkpoint_files_are_per_rank_and_checked(hvd, tmp_path):
 
 # -- real multi-rank jobs --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("communication,selection", [("artopk", "layerwise"), ("allgather", "layerwise"),
-                                                     ("dense", "layerwise"), ("artopk", "global")])
-def test_ratio_one_reproduces_dense_horovod(run_ranks, communication, selection):
+@pytest.mark.parametrize("communication,selection,groups", [
+    ("artopk", "layerwise", 0), ("allgather", "layerwise", 0), ("dense", "layerwise", 0), ("artopk", "global", 0),
+    ("artopk", "layerwise", 2)])
+def test_ratio_one_reproduces_dense_horovod(run_ranks, communication, selection, groups):
     # No weight decay here: stock hvd.broadcast_optimizer_state takes a real SGD step on zero gradients,
     # which with weight decay moves the parameters; the float64 reference test covers weight decay.
     common = ["--steps", 12, "--nesterov", "--dtype", "float64"]
     dense = run_ranks(2, "opt_train.py", "--mode", "stock", *common)
     ours = run_ranks(2, "opt_train.py", "--communication", communication, "--selection", selection,
-                     "--ratio", 1.0, *common)
+                     "--ratio", 1.0, "--groups", groups, *common)
     for name, value in dense[0]["params"].items():
         torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
     assert not torch.equal(dense[0]["params"]["0.weight"], dense[0]["initial"]["0.weight"])
@@ -223,6 +275,29 @@ def test_params_bit_identical_after_200_steps(run_ranks, communication, leader, 
         assert last["sparse_tensors"] == (1 if selection == "global" else 3)
         assert 0 < last["compression_gain"] < 1
         assert last["residual_norm"] > 0
+
+
+@pytest.mark.parametrize("communication,selection,groups", [
+    ("artopk", "layerwise", 1), ("allgather", "layerwise", 2), ("artopk", "global", 1)])
+def test_groups_give_the_ungrouped_result_through_horovods_grouped_collectives(run_ranks, tmp_path, communication,
+                                                                              selection, groups):
+    common = ["--steps", 30, "--communication", communication, "--selection", selection, "--ratio", 0.05,
+              "--width", 128, "--dtype", "float64"]
+    plain = run_ranks(3, "opt_train.py", *common)
+    timeline = tmp_path / "timeline.json"
+    grouped = run_ranks(3, "opt_train.py", *common, "--groups", groups,
+                        prefix=("env", f"HOROVOD_TIMELINE={timeline}"))
+    assert_identical_across_ranks(grouped)
+    for name, value in plain[0]["params"].items():   # the same sums, fused in another order
+        torch.testing.assert_close(grouped[0]["params"][name], value, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(plain[0]["params"]["2.weight"], plain[0]["initial"]["2.weight"])
+    # Horovod's own timeline names what it ran: every gradient of the grouped run went through a
+    # grouped collective; the plain run's per-tensor names do not appear.
+    names = set(re.findall(r'"args": \{"name": "([^"]+)"', timeline.read_text()))
+    ours = {n for n in names if "hvd_topk" in n and ".indices." not in n and not n.endswith("hvd_topk.groups.t")
+            and not n.endswith("hvd_topk.groups.sz")}
+    assert ours and all(n.startswith(("grouped_allreduce.hvd_topk.group.", "grouped_allgather.hvd_topk.group.",
+                                      "allreduce.hvd_topk.values.__global__")) for n in ours), sorted(ours)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

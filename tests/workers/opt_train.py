@@ -36,6 +36,7 @@ p.add_argument("--dense-steps", type=int, default=0)
 p.add_argument("--clip", type=float, default=None)
 p.add_argument("--op", choices=["average", "sum"], default="average")
 p.add_argument("--bpps", type=int, default=1)
+p.add_argument("--groups", type=int, default=0, help="Horovod's groups (0: none)")
 p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
 p.add_argument("--value-dtype", choices=["none", "float16"], default="none")
 p.add_argument("--record-grads", action="store_true")
@@ -67,7 +68,7 @@ op = hvd.Average if args.op == "average" else hvd.Sum
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if args.amp else None
 if args.mode == "stock":
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), op=op,
-                                   backward_passes_per_step=args.bpps)
+                                   backward_passes_per_step=args.bpps, groups=args.groups or None)
 else:
     opt = hvd_topk.DistributedOptimizer(
         base, named_parameters=model.named_parameters(),
@@ -78,7 +79,8 @@ else:
         warmup_steps=args.warmup_steps, dense_steps=args.dense_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
         value_dtype=None if args.value_dtype == "none" else torch.float16,
         adaptive_ratio=True if args.adaptive_ratio else None, adaptive_weight=args.adaptive_weight,
-        auto_every=args.auto_every, compress=args.compress, local_momentum=args.local_momentum == "on")
+        auto_every=args.auto_every, compress=args.compress, local_momentum=args.local_momentum == "on",
+        groups=args.groups or None)
     if hvd.rank() == args.skew_clock_rank:      # decisions must not depend on one rank's timings
         opt._hvd_topk.clock = lambda: 5.0 * time.perf_counter()
 start = 0
