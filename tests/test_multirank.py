@@ -38,6 +38,20 @@ def test_params_bit_identical_mpirun(run_ranks, sync):
     assert_identical_across_ranks(results)
 
 
+def test_horovod_groups_keep_ranks_identical_and_ratio_one_dense(run_ranks):
+    """TopKEF under stock Horovod's ``groups``: Horovod compresses a group's gradients together and
+    decompresses them from one grouped allreduce; residuals and index sets follow that order."""
+    results = run_ranks(3, "train.py", "--steps", 60, "--ratio", 0.02, "--width", 128, "--groups", 2)
+    assert_identical_across_ranks(results)
+    norms = [sum(float(v.norm()) for v in res["residuals"].values() if v is not None) for res in results]
+    assert all(n > 0 for n in norms) and len({round(n, 6) for n in norms}) == 3
+    common = ["--steps", 15, "--groups", 1]
+    dense = run_ranks(2, "train.py", "--compression", "none", *common)
+    topk = run_ranks(2, "train.py", "--compression", "topkef", "--ratio", 1.0, *common)
+    for name, value in dense[0]["params"].items():
+        torch.testing.assert_close(topk[0]["params"][name], value, rtol=1e-6, atol=1e-7)
+
+
 def test_sum_op_and_gradient_accumulation_keep_ranks_identical(run_ranks):
     results = run_ranks(2, "train.py", "--steps", 40, "--op", "sum", "--bpps", 3, "--ratio", 0.05)
     assert_identical_across_ranks(results)

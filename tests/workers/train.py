@@ -25,6 +25,7 @@ p.add_argument("--width", type=int, default=64)
 p.add_argument("--depth", type=int, default=3, help="hidden Linear layers")
 p.add_argument("--op", choices=["average", "sum"], default="average")
 p.add_argument("--bpps", type=int, default=1, help="backward_passes_per_step")
+p.add_argument("--groups", type=int, default=0, help="Horovod's groups (0: none)")
 p.add_argument("--momentum", type=float, default=0.9)
 p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
 p.add_argument("--nan-rank", type=int, default=-1, help="inject a NaN gradient on this rank ...")
@@ -48,7 +49,7 @@ compression = (TopKEF(ratio=args.ratio, min_numel=args.min_numel, sync_indices=a
                if args.compression == "topkef" else hvd.Compression.none)
 opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
                                op=hvd.Average if args.op == "average" else hvd.Sum,
-                               backward_passes_per_step=args.bpps)
+                               backward_passes_per_step=args.bpps, groups=args.groups or None)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(opt, root_rank=0)
 
