@@ -47,6 +47,9 @@ def add_compression_args(parser):
                         "hvd_topk: hvd_topk.DistributedOptimizer")
     g.add_argument("--ratio", type=float, default=0.01, help="TopKEF: fraction of elements kept")
     g.add_argument("--min-numel", type=int, default=1024, help="TopKEF: smaller tensors go dense")
+    g.add_argument("--groups", type=int, default=0,
+                   help="Horovod's groups: the gradients split into N groups, each sent as one grouped collective "
+                        "once all its gradients are ready (fewer, larger messages); 0: no groups")
     g.add_argument("--communication", choices=["artopk", "allgather", "dense", "auto"], default="artopk",
                    help="hvd_topk: transport")
     g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
@@ -120,7 +123,7 @@ def make_distributed_optimizer(args, model, base_opt):
             momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
             adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every, compress=args.compress,
             local_momentum=args.local_momentum == "on",
-            value_dtype=torch.float16 if args.value_dtype == "float16" else None,
+            value_dtype=torch.float16 if args.value_dtype == "float16" else None, groups=args.groups or None,
             **({} if args.adaptive_weight is None else {"adaptive_weight": args.adaptive_weight}))
         return opt, None
     if (args.adaptive_ratio or args.communication == "auto" or args.dense_steps or args.compress != "gradient"
@@ -133,7 +136,8 @@ def make_distributed_optimizer(args, model, base_opt):
         compression = comp
     else:
         compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
-    return hvd.DistributedOptimizer(base_opt, named_parameters=named, compression=compression), comp
+    return hvd.DistributedOptimizer(base_opt, named_parameters=named, compression=compression,
+                                    groups=args.groups or None), comp
 
 
 class RunLog:
@@ -174,6 +178,7 @@ class RunLog:
             "compress": args.compress if args.compression == "hvd_topk" else None,
             "local_momentum": args.local_momentum if args.compression == "hvd_topk" else None,
             "value_dtype": args.value_dtype if args.compression == "hvd_topk" else None,
+            "groups": args.groups or None,
             "ranks": self.size,
             "model": model_name, "dataset": dataset, "non_iid": bool(non_iid),
             "num_params": sum(p.numel() for p in model.parameters()),

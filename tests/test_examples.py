@@ -244,9 +244,10 @@ def check_contract(res, steps=None):
 def test_job_mnist_from_idx_files(tmp_path):
     write_mnist(tmp_path / "mnist", n_train=200, gz=True)
     res, _ = run_digits(tmp_path, "--dataset", "mnist", "--data-dir", tmp_path / "mnist", "--max-steps", 5,
-                        "--eval-every", 2, "--compression", "topkef")
+                        "--eval-every", 2, "--compression", "topkef", "--groups", 2)
     check_contract(res, steps=5)
-    assert (res["dataset"], res["model"], res["non_iid"], res["ratio"]) == ("mnist", "cnn", False, 0.01)
+    assert (res["dataset"], res["model"], res["non_iid"], res["ratio"], res["groups"]) == ("mnist", "cnn", False,
+                                                                                        0.01, 2)
     assert [p["step"] for p in res["curve"]] == [2, 4, 5]
     assert res["hvd_topk_stats"] is None
 
