@@ -72,6 +72,10 @@ MODES = {
     "hvd_topk allgather": ["--compression", "hvd_topk", "--communication", "allgather"],
     "hvd_topk artopk": ["--compression", "hvd_topk", "--communication", "artopk"],
     "hvd_topk auto": ["--compression", "hvd_topk", "--communication", "auto"],
+    # Horovod's groups=1: all gradients in one grouped collective per kind (not in the default grid)
+    "topkef grouped": ["--compression", "topkef", "--groups", "1"],
+    "hvd_topk artopk grouped": ["--compression", "hvd_topk", "--communication", "artopk", "--groups", "1"],
+    "hvd_topk allgather grouped": ["--compression", "hvd_topk", "--communication", "allgather", "--groups", "1"],
     "hvd_topk allgather fp16": ["--compression", "hvd_topk", "--communication", "allgather", "--value-dtype",
                                 "float16"],
 }
@@ -119,7 +123,8 @@ EXAMPLES = {
 }
 
 # -- defaults: the full grid ------------------------------------------------------------------------
-FULL = dict(part="steps,tta,accuracy", ranks="2,4", bandwidths=",".join(BANDWIDTHS), modes=",".join(MODES),
+FULL = dict(part="steps,tta,accuracy", ranks="2,4", bandwidths=",".join(BANDWIDTHS),
+            modes=",".join(m for m in MODES if not m.endswith(" grouped")),
             ratios=",".join(map(str, RATIOS)), steps_example="cnn-wide", warmup=5, min_measured=6,
             max_measured=15, step_seconds=4.0, idle_seconds=4.0,
             cycle_times="1,5,20,50", cycle_modes="dense,topkef,hvd_topk artopk,hvd_topk allgather", cycle_ranks=4,

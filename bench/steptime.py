@@ -7,7 +7,7 @@ one-step-stale index sets (default: one asynchronous allgather per step) and wit
 broadcast per tensor;
 hvd_topk.DistributedOptimizer (momentum correction on) with artopk layerwise, artopk global, allgather,
 and at density 1 (ratio 1.0, the path of dense_steps and of auto's all-dense plan; and
-communication='dense').
+communication='dense'); and with Horovod's ``groups=1`` (modes ending in "grouped").
 
     python -m bench.steptime                    # prints a table; --json-out to save it
     python -m bench.steptime --depth 60 --width 512 --ratio 0.001
@@ -32,7 +32,11 @@ MODES = {"dense": [], "topkef (stale indices)": ["--topkef"],
          "hvd_topk allgather layerwise": ["--hvd-topk", "allgather", "layerwise"],
          # density 1: the path of dense_steps, ratio=1.0 and auto's all-dense plan (the last --ratio wins)
          "hvd_topk ratio 1.0": ["--hvd-topk", "artopk", "layerwise", "--ratio", "1.0"],
-         "hvd_topk dense": ["--hvd-topk", "dense", "layerwise"]}
+         "hvd_topk dense": ["--hvd-topk", "dense", "layerwise"],
+         # Horovod's groups=1: every gradient in one grouped collective (per kind), once all are ready
+         "topkef grouped": ["--topkef", "--groups", "1"],
+         "hvd_topk artopk grouped": ["--hvd-topk", "artopk", "layerwise", "--groups", "1"],
+         "hvd_topk allgather grouped": ["--hvd-topk", "allgather", "layerwise", "--groups", "1"]}
 
 
 def worker(args):
@@ -54,11 +58,12 @@ def worker(args):
         communication, selection = args.hvd_topk
         opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                             compression=TopKEF(ratio=args.ratio), communication=communication,
-                                            selection=selection)
+                                            selection=selection, groups=args.groups or None)
     else:
         compression = (TopKEF(ratio=args.ratio, sync_indices=args.sync_indices) if args.topkef
                        else hvd.Compression.none)
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
+                                       groups=args.groups or None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     x, y = torch.randn(32, args.width), torch.randn(32, 1)
     times = []
@@ -139,6 +144,7 @@ if __name__ == "__main__":
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--topkef", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sync-indices", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--groups", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--hvd-topk", nargs=2, metavar=("COMMUNICATION", "SELECTION"), help=argparse.SUPPRESS)
     a = p.parse_args()
     worker(a) if a.worker else driver(a)
