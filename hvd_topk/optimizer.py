@@ -758,11 +758,13 @@ def _check_groups(groups, optimizer):
     if groups is None:
         return
     if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
-        if groups < 1:
-            raise ValueError(f"groups must be None, an integer >= 1 or a list of lists of parameters, got {groups!r}")
-        return
-    if not isinstance(groups, list) or not all(isinstance(g, (list, tuple)) for g in groups):
+        valid = groups >= 1
+    else:
+        valid = isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups)
+    if not valid:
         raise ValueError(f"groups must be None, an integer >= 1 or a list of lists of parameters, got {groups!r}")
+    if not isinstance(groups, list):
+        return
     mine = {id(q) for group in optimizer.param_groups for q in group["params"]}
     seen = set()
     for group in groups:
