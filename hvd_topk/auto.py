@@ -19,7 +19,9 @@ the ranks' competition for CPU (on a fast link a selection on every rank costs m
 says), so its choice is checked by measurement: the model's plan and every uniform plan (all dense,
 all artopk, all allgather) modelled within 4x of it take turns, ``trial_steps`` steps at a time, for
 ``trial_rounds`` rounds (A B C A B C ...: a slow spell of the host falls on every plan, not on one),
-and the plan with the fastest median step (agreed over the ranks) is kept. Horovod's Gloo and MPI
+and the plan with the fastest median step (agreed over the ranks) is kept, unless the all-dense plan,
+or else the model's plan, is within ``trial_margin`` (5%) of it: a smaller lead is noise on a busy
+host, and dense is exact while the model's plan is what the probed link predicts. Horovod's Gloo and MPI
 collectives do not expose ring vs. tree, so only the ring formulas are used here.
 
 **Adaptive ratio.** Every ``every`` steps the ranks agree on (a) the mean measured step time T and (b)
@@ -66,6 +68,7 @@ DEFAULT_RATIOS = (0.1, 0.03, 0.01, 0.003, 0.001)
 DEFAULT_WEIGHT = 0.3                               # w of J(c); measured, see the module docstring
 _HYSTERESIS = 0.05                                 # J must improve by more than this to move the ratio
 _TRIAL_SPAN = 4.0                                  # trial every uniform plan modelled within this x the best
+_TRIAL_MARGIN = 0.05                               # a measured lead smaller than this is a tie (see _trial_step)
 
 
 class Costs(NamedTuple):
@@ -166,15 +169,18 @@ class AutoTuner:
         every: steps between checks (ratio, drift), >= 2.
         trial_steps: steps of one plan in a row during the trial of plans (the first is not counted), >= 2.
         trial_rounds: how many times each plan takes its turn in the trial, >= 1.
+        trial_margin: a plan must be faster by more than this fraction to displace the all-dense plan or
+            the model's plan in the trial (a smaller lead is within the noise of a busy host).
         threshold: relative drift of communication time that triggers a new probe.
         probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
     """
 
     def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=3, trial_rounds=3,
-                 threshold=0.5, probe=None):
+                 threshold=0.5, probe=None, trial_margin=_TRIAL_MARGIN):
         # configuration
         self.auto_transport, self.ratios, self.weight = auto_transport, ratios, weight
         self.every, self.trial_steps, self.trial_rounds, self.threshold = every, trial_steps, trial_rounds, threshold
+        self.trial_margin = trial_margin
         self.probe = probe or Probe(repeats=3)
         # agreed measurements
         self.costs = None                 # Costs, after the first probe
@@ -261,7 +267,8 @@ class AutoTuner:
 
     def _trial_step(self, state, step):
         """The plans take turns, ``trial_steps`` steps each, for ``trial_rounds`` rounds; then the plan
-        with the fastest median step (agreed over the ranks) is kept."""
+        with the fastest median step (agreed over the ranks) is kept, ties within ``trial_margin``
+        going to the all-dense plan, then to the model's plan."""
         arms, start = self.trial
         t = self.trial_steps
         block, r = divmod(step + 1 - start, t)
@@ -277,11 +284,16 @@ class AutoTuner:
             if s % t:
                 samples[(s // t) % len(arms)].append(step_s)
         medians = agree([statistics.median(x) for x in samples], "hvd_topk.auto.trial")
-        best = min(range(len(arms)), key=lambda a: (medians[a], a))
+        # A lead within the margin is not evidence: keep the all-dense plan if it is within it (exact,
+        # nothing held back), else the model's plan (arms[0]), else the next in trial order.
+        fastest = min(medians)
+        order = sorted(range(len(arms)), key=lambda a: (set(arms[a].values()) != {"dense"}, a))
+        best = next(a for a in order if medians[a] <= (1 + self.trial_margin) * fastest)
         self.trial, self.plan = None, arms[best]
         self.calibration = None                    # measured against the plan now in effect
         self._record(step, state.ratio, "trial: " + ", ".join(
-            f"{_plan_name(arm)} {m * 1e3:.1f} ms/step" for arm, m in zip(arms, medians)))
+            f"{_plan_name(arm)} {m * 1e3:.1f} ms/step" for arm, m in zip(arms, medians))
+            + f"; kept {_plan_name(arms[best])}")
         self.step_times, self.comm_times = [], []
 
     def _check(self, state, step):

@@ -86,6 +86,30 @@ def test_trial_plans_take_turns_and_the_fastest_median_is_kept(hvd):
     assert tuner.trial is None and tuner.plan == {"w": "allgather"}
     assert "all allgather 100.0 ms/step" in tuner.history[-1][3]
     assert "all artopk 300.0 ms/step" in tuner.history[-1][3]
+    assert tuner.history[-1][3].endswith("kept all allgather")
+
+
+@pytest.mark.parametrize("step_s, kept", [
+    ({"artopk": 0.100, "allgather": 0.097, "dense": 0.101}, "dense"),      # dense within 5%: exact wins
+    ({"artopk": 0.100, "allgather": 0.097, "dense": 0.200}, "artopk"),     # the model's plan within 5%
+    ({"artopk": 0.100, "allgather": 0.094, "dense": 0.200}, "allgather"),  # a lead beyond 5% counts
+    ({"artopk": 0.100, "allgather": 0.110, "dense": 0.104}, "dense"),
+])
+def test_trial_lead_within_the_margin_keeps_dense_then_the_models_plan(hvd, step_s, kept):
+    class State:
+        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
+
+        @staticmethod
+        def density(step):
+            return 0.01
+
+    tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=2)
+    tuner.costs = SLOW
+    arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]      # arms[0]: the model's plan
+    tuner.trial, tuner.plan = (arms, 1), dict(arms[0])
+    for step in range(1, 14):
+        assert tuner.end_step(State, step, step_s[tuner.plan["w"]], 0.0) is None
+    assert tuner.trial is None and tuner.plan == {"w": kept}
 
 
 def test_reprobe_without_a_bandwidth_term_keeps_the_last_fit(hvd):
