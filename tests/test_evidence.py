@@ -112,9 +112,9 @@ def test_repeats_interleave_the_grid():
         evidence.parse_args(["--repeats", "0"])
 
 
-def _steps_row(label, repeat, step_ms, link_bytes, ratio=0.01, status="ok"):
+def _steps_row(label, repeat, step_ms, link_bytes, ratio=0.01, status="ok", bandwidth="1gbit"):
     row = {"run_id": f"steps-x-{label}-rep{repeat}", "status": status, "example": "cnn-wide", "label": label,
-           "ratio": None if label == "dense" else ratio, "ranks": 2, "bandwidth": "unlimited", "cycle_ms": "20",
+           "ratio": None if label == "dense" else ratio, "ranks": 2, "bandwidth": bandwidth, "cycle_ms": "20",
            "repeat": repeat, "error": "" if status == "ok" else "boom", "params_identical": True}
     if status == "ok":
         row.update(step_s=step_ms / 1e3, link_bytes=link_bytes, measured_steps=20)
@@ -149,6 +149,19 @@ def test_medians_over_repeats_and_auto_against_the_best_fixed_mode():
     slow = [dict(r, step_s=0.2) if r["label"] == "hvd_topk auto" else r for r in cells.values()]
     (target,) = [c for c in evidence.checks(slow, []) if c[0].startswith("(auto)")]
     assert target[1] is False
+
+
+@pytest.mark.parametrize("auto_ms, met", [((92, 90, 93), True), ((99, 96, 100), True), ((100, 104, 101), False)])
+def test_auto_target_on_the_unlimited_link_is_dense(auto_ms, met):
+    """On the unlimited loopback the target compares auto with dense, not with the best fixed mode."""
+    ms = {"dense": (95, 96, 94), "topkef": (85, 86, 84), "hvd_topk auto": auto_ms}
+    runs = [_steps_row(label, i + 1, t[i], 1e6, bandwidth="unlimited") for label, t in ms.items()
+            for i in range(3)]
+    evidence.add_relative(runs)
+    cells = evidence.median_rows(runs)
+    (target,) = [c for c in evidence.checks(cells, [], runs) if c[0].startswith("(auto)")]
+    assert target[0].endswith("auto within 5% of dense") and target[1] is met
+    assert "best fixed topkef 0.01 85.0 ms" in target[2] and "each repeat vs dense" in target[2]
 
 
 needs_tc = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
