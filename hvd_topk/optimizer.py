@@ -61,6 +61,8 @@ class _Momentum(NamedTuple):
 class _TopKState:
     """Everything hvd_topk keeps per optimizer, per rank. Never broadcast (residuals are per rank)."""
 
+    _instances = 0    # creation counter: each optimizer's collectives that outlive a step get their own names
+
     def __init__(self, names, compression, communication, selection, leader, value_dtype, warmup_steps,
                  warmup_epochs, clip_grad_norm, op, gradient_predivide_factor, grad_scaler, tuner, dense_steps=0,
                  compress="gradient", local_momentum=True):
@@ -87,8 +89,12 @@ class _TopKState:
         # per-rank state
         self.residuals = ResidualMemory()     # name -> v (DGC) or e (plain error feedback)
         self.velocities = {}                  # name -> u, DGC momentum buffer
-        self.index_sets = IndexPipeline("hvd_topk.opt.indices")
-        self.collectives = Collectives("hvd_topk.group")   # groups set by _init (Horovod's ``groups``)
+        # Names identical on all ranks (the ranks create their optimizers in the same order) and distinct
+        # between optimizers: one optimizer's index sets or score may still be in flight in another's step.
+        self.tag = f"hvd_topk.opt{_TopKState._instances}"
+        _TopKState._instances += 1
+        self.index_sets = IndexPipeline(f"{self.tag}.indices")
+        self.collectives = Collectives(f"{self.tag}.group")   # groups set by _init (Horovod's ``groups``)
         self.step = 0                         # synchronized steps, identical on all ranks
         self.epoch = 0
         self.score = 0.0                      # VAR: EWMA of this rank's squared gradient norm
@@ -359,7 +365,7 @@ class _TopKState:
         if self.leader == "var" and mpi_ops.size() > 1:
             self.score = 0.9 * self.score + 0.1 * self.step_sq_norm
             self.score_handle = mpi_ops.allgather_async(torch.tensor([self.score], dtype=torch.float64),
-                                                        name="hvd_topk.var.score")
+                                                        name=f"{self.tag}.var.score")
         self.step_sq_norm = 0.0
         return nonfinite
 
@@ -428,7 +434,7 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
     self._hvd_topk.sparse_numels = {GLOBAL_KEY: sum(sparse.values())} if \
         self._hvd_topk.selection == "global" and sparse else sparse
     if groups is not None:
-        self._hvd_topk.collectives = Collectives("hvd_topk.group", _key_groups(self, groups))
+        self._hvd_topk.collectives = Collectives(f"{self._hvd_topk.tag}.group", _key_groups(self, groups))
     if momentum_correction:
         for group in self.param_groups:
             mom = _Momentum(group.get("momentum", 0.0), group.get("dampening", 0.0),

@@ -297,8 +297,19 @@ def test_groups_give_the_ungrouped_result_through_horovods_grouped_collectives(r
     names = set(re.findall(r'"args": \{"name": "([^"]+)"', timeline.read_text()))
     others = (".indices.", "hvd_topk.groups.", "hvd_topk.update.finite")   # index sets, set-up, a flag
     ours = {n for n in names if "hvd_topk" in n and not any(o in n for o in others)}
-    assert ours and all(n.startswith(("grouped_allreduce.hvd_topk.group.", "grouped_allgather.hvd_topk.group.",
-                                      "allreduce.hvd_topk.values.__global__")) for n in ours), sorted(ours)
+    assert ours and all(re.match(r"grouped_(allreduce|allgather)\.hvd_topk\.opt0\.group\.|"
+                                 r"allreduce\.hvd_topk\.values\.__global__", n) for n in ours), sorted(ours)
+
+
+def test_two_optimizers_in_one_job_keep_apart(run_ranks):
+    """Two optimizers stepping in turn (AR-Topk index sets and VAR scores in flight between their steps)
+    use their own collective names and end exactly where each ends when trained alone."""
+    res = run_ranks(2, "two_optimizers.py")
+    assert_identical_across_ranks(res)
+    assert len(set(res[0]["tags"])) == 4 and res[0]["tags"] == res[1]["tags"]
+    for name, value in res[0]["solo"].items():
+        assert torch.equal(res[0]["params"][name], value), name
+    assert not torch.equal(res[0]["params"]["m0.0.weight"], res[0]["params"]["m1.0.weight"])
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
