@@ -135,10 +135,31 @@ def summarise(record, bandwidth):
         out["met"] = None if out[key] is None else out[key] <= TARGET
         plan = (record.get("auto") or {}).get("stats") or {}
         out["auto_plan"] = ", ".join(f"{v} {k[5:]}" for k, v in plan.items() if v)
+        used = [k[5:] for k, v in plan.items() if v]
+        same = {"dense": "dense"}.get(used[0], f"hvd_topk {used[0]}") if len(used) == 1 else None
+        if same in rows:        # the same transport as a fixed mode: the spread of two equal configurations
+            out["vs_same"] = (same, auto / rows[same]["median_ms"] - 1)
     return out
 
 
-def report(results, command):
+def pooled(records, bandwidth):
+    """``summarise`` of all the rounds of several jobs on one link together, plus the paired figure:
+    the median over rounds of auto's step over the fastest fixed mode's step of the same round."""
+    merged = {"modes": {}, "auto": {"stats": {}}}
+    for rec in records:
+        for mode, m in rec["modes"].items():
+            into = merged["modes"].setdefault(mode, {"step_s": [], "bytes": [], "warmup_steps": m["warmup_steps"]})
+            into["step_s"] += m["step_s"]
+            into["bytes"] += m["bytes"]
+    out = summarise(merged, bandwidth)
+    out["auto_plan"] = "; ".join(summarise(rec, bandwidth).get("auto_plan", "-") for rec in records)
+    if "best" in out:
+        auto, best = merged["modes"][AUTO]["step_s"], merged["modes"][out["best"]]["step_s"]
+        out["paired_vs_best"] = statistics.median(x / y for x, y in zip(auto, best)) - 1
+    return out
+
+
+def report(results, command, pooled_results=()):
     """Markdown: one table per link and repeat, then the target per job."""
     L = ["# communication='auto' against the fixed modes, side by side in one job", "",
          "Every mode trains its own copy of the wide digits CNN in the same 2-rank job; after each mode's "
@@ -154,14 +175,22 @@ def report(results, command):
             L.append(f"| {mode} | {r['median_ms']:,.1f} | {r['mean_ms']:,.1f} | {r['q1_ms']:,.1f}-{r['q3_ms']:,.1f} | "
                      f"{r['bytes']:,.0f} | {r['warmup_steps']} |")
         L.append("")
-    L += ["## Target", "", "| link | repeat | auto chose | auto vs fastest fixed | auto vs dense | target |",
-          "|---|---:|---|---|---:|---|"]
-    for s in results:
+    L += ["## Target", "",
+          "Per job, and every link's jobs pooled (all their rounds; the target is judged on these). Paired: the "
+          "median over rounds of auto's step over the fastest fixed mode's step in the same round.", "",
+          "Same plan: auto against the fixed mode that runs the transport auto chose, in the same job (the "
+          "spread between two equal configurations).", "",
+          "| link | repeat | auto chose | auto vs fastest fixed | paired | auto vs dense | same plan | target |",
+          "|---|---|---|---|---:|---:|---|---|"]
+    for s in list(results) + list(pooled_results):
         if "best" in s:
             dense = "-" if s["vs_dense"] is None else f"{100 * s['vs_dense']:+.1f}%"
+            paired = f"{100 * s['paired_vs_best']:+.1f}%" if "paired_vs_best" in s else "-"
+            same = f"{100 * s['vs_same'][1]:+.1f}% ({s['vs_same'][0]})" if "vs_same" in s else "-"
             goal = "vs dense" if s["bandwidth"] == "unlimited" else "vs fastest fixed"
             L.append(f"| {s['bandwidth']} | {s['repeat']} | {s['auto_plan']} | {100 * s['vs_best']:+.1f}% "
-                     f"({s['best']}) | {dense} | {'met' if s['met'] else 'not met'} ({goal} <= +5%) |")
+                     f"({s['best']}) | {paired} | {dense} | {same} | **{'met' if s['met'] else 'not met'}** "
+                     f"({goal} <= +5%) |")
     return "\n".join(L) + "\n"
 
 
@@ -171,9 +200,16 @@ def driver(a):
 
     command = "python -m bench.sidebyside " + " ".join(sys.argv[1:])
     os.makedirs(a.out, exist_ok=True)
-    results = []
+    results, records = [], {}
     for rep in range(1, a.repeats + 1):
         for bw in a.bandwidths:
+            saved = os.path.join(a.out, f"{bw}-rep{rep}.json")
+            if a.report_only:
+                if os.path.exists(saved):
+                    with open(saved) as f:
+                        records.setdefault(bw, []).append(json.load(f))
+                    results.append(dict(summarise(records[bw][-1], bw), repeat=rep, rounds=records[bw][-1]["rounds"]))
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 js = os.path.join(tmp, "r.json")
                 argv = [sys.executable, "-m", "bench.sidebyside", "--worker", "--json-out", js,
@@ -185,16 +221,23 @@ def driver(a):
                             cwd=ROOT)
                 with open(js) as f:
                     record = json.load(f)
-            with open(os.path.join(a.out, f"{bw}-rep{rep}.json"), "w") as f:
+            record["command"] = command
+            with open(saved, "w") as f:
                 json.dump(record, f)
+            records.setdefault(bw, []).append(record)
             s = dict(summarise(record, bw), repeat=rep, rounds=a.rounds)
             results.append(s)
             print(f"{bw} repeat {rep}: {time.perf_counter() - t0:.0f} s; "
                   + ", ".join(f"{m} {r['median_ms']:.1f} ms" for m, r in s["modes"].items())
                   + (f"; auto vs fastest fixed {100 * s['vs_best']:+.1f}%" if "best" in s else ""), flush=True)
+    if a.report_only:           # the command that made the jobs
+        made = {r.get("command") for recs in records.values() for r in recs} - {None}
+        command = made.pop() if len(made) == 1 else command.replace(" --report-only", "")
+    together = [dict(pooled(recs, bw), repeat="all", rounds=sum(r["rounds"] for r in recs))
+                for bw, recs in records.items()]
     with open(os.path.join(a.out, "summary.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    text = report(results, command)
+        json.dump({"jobs": results, "pooled": together}, f, indent=1)
+    text = report(results, command, together)
     with open(os.path.join(a.out, "report.md"), "w") as f:
         f.write(text)
     print(text)
@@ -213,6 +256,7 @@ def parse_args(argv=None):
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--out", default="bench/results/sidebyside_auto")
+    p.add_argument("--report-only", action="store_true", help="rebuild summary and report from <out>/*-rep*.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
