@@ -24,6 +24,7 @@ mode's; on the unlimited loopback within 5% of dense.
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -117,7 +118,9 @@ def _auto_busy(state):
 # -- analysis -----------------------------------------------------------------------------------------
 def summarise(record, bandwidth):
     """Figures of one job: per mode the median, mean and quartiles of the step (ms) and the bytes per
-    rank per step; auto against the fastest fixed mode and against dense; whether the target is met."""
+    rank per step; auto against the fastest fixed mode (medians, and paired: the median over rounds
+    of auto's step over that mode's step of the same round) and against dense; whether the target is
+    met; auto against the fixed mode that runs the same transport, if any."""
     rows = {}
     for mode, m in record["modes"].items():
         q = statistics.quantiles(m["step_s"], n=4) if len(m["step_s"]) > 1 else [m["step_s"][0]] * 3
@@ -129,7 +132,9 @@ def summarise(record, bandwidth):
     if AUTO in rows and fixed:
         best = min(fixed, key=lambda k: fixed[k]["median_ms"])
         auto = rows[AUTO]["median_ms"]
+        pairs = zip(record["modes"][AUTO]["step_s"], record["modes"][best]["step_s"])   # same round
         out.update(best=best, vs_best=auto / fixed[best]["median_ms"] - 1,
+                   paired_vs_best=statistics.median(x / y for x, y in pairs) - 1,
                    vs_dense=auto / rows["dense"]["median_ms"] - 1 if "dense" in rows else None)
         key = "vs_dense" if bandwidth == "unlimited" else "vs_best"
         out["met"] = None if out[key] is None else out[key] <= TARGET
@@ -143,8 +148,7 @@ def summarise(record, bandwidth):
 
 
 def pooled(records, bandwidth):
-    """``summarise`` of all the rounds of several jobs on one link together, plus the paired figure:
-    the median over rounds of auto's step over the fastest fixed mode's step of the same round."""
+    """``summarise`` of all the rounds of several jobs on one link together."""
     merged = {"modes": {}, "auto": {"stats": {}}}
     for rec in records:
         for mode, m in rec["modes"].items():
@@ -153,9 +157,7 @@ def pooled(records, bandwidth):
             into["bytes"] += m["bytes"]
     out = summarise(merged, bandwidth)
     out["auto_plan"] = "; ".join(summarise(rec, bandwidth).get("auto_plan", "-") for rec in records)
-    if "best" in out:
-        auto, best = merged["modes"][AUTO]["step_s"], merged["modes"][out["best"]]["step_s"]
-        out["paired_vs_best"] = statistics.median(x / y for x, y in zip(auto, best)) - 1
+    out.pop("vs_same", None)            # auto's plan may differ from job to job
     return out
 
 
@@ -176,8 +178,9 @@ def report(results, command, pooled_results=()):
                      f"{r['bytes']:,.0f} | {r['warmup_steps']} |")
         L.append("")
     L += ["## Target", "",
-          "Per job, and every link's jobs pooled (all their rounds; the target is judged on these). Paired: the "
-          "median over rounds of auto's step over the fastest fixed mode's step in the same round.", "",
+          "Per job, and (repeat 'all', when a link ran more than one job) every job of a link pooled: all their "
+          "rounds together. Paired: the median over rounds of auto's step over the fastest fixed mode's step in "
+          "the same round.", "",
           "Same plan: auto against the fixed mode that runs the transport auto chose, in the same job (the "
           "spread between two equal configurations).", "",
           "| link | repeat | auto chose | auto vs fastest fixed | paired | auto vs dense | same plan | target |",
@@ -198,7 +201,8 @@ def driver(a):
     from bench.evidence import namespace
     from hvd_topk.launch import run_job
 
-    command = "python -m bench.sidebyside " + " ".join(sys.argv[1:])
+    # the command that makes the jobs (with --report-only pass the flags the jobs ran with: the report quotes it)
+    command = "python -m bench.sidebyside " + shlex.join(x for x in sys.argv[1:] if x != "--report-only")
     os.makedirs(a.out, exist_ok=True)
     results, records = [], {}
     for rep in range(1, a.repeats + 1):
@@ -230,11 +234,8 @@ def driver(a):
             print(f"{bw} repeat {rep}: {time.perf_counter() - t0:.0f} s; "
                   + ", ".join(f"{m} {r['median_ms']:.1f} ms" for m, r in s["modes"].items())
                   + (f"; auto vs fastest fixed {100 * s['vs_best']:+.1f}%" if "best" in s else ""), flush=True)
-    if a.report_only:           # the command that made the jobs
-        made = {r.get("command") for recs in records.values() for r in recs} - {None}
-        command = made.pop() if len(made) == 1 else command.replace(" --report-only", "")
     together = [dict(pooled(recs, bw), repeat="all", rounds=sum(r["rounds"] for r in recs))
-                for bw, recs in records.items()]
+                for bw, recs in records.items() if len(recs) > 1]
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump({"jobs": results, "pooled": together}, f, indent=1)
     text = report(results, command, together)

@@ -19,9 +19,10 @@ the ranks' competition for CPU (on a fast link a selection on every rank costs m
 says), so its choice is checked by measurement: the model's plan and every uniform plan (all dense,
 all artopk, all allgather) modelled within 4x of it take turns, ``trial_steps`` steps at a time, for
 ``trial_rounds`` rounds (A B C A B C ...: a slow spell of the host falls on every plan, not on one),
-and the plan with the fastest median step (agreed over the ranks) is kept, unless the all-dense plan,
-or else the model's plan, is within ``trial_margin`` (5%) of it: a smaller lead is noise on a busy
-host, and dense is exact while the model's plan is what the probed link predicts. Horovod's Gloo and MPI
+and the plan with the fastest median step (agreed over the ranks) is kept, unless the all-dense plan
+is within ``trial_margin`` (5%) of it: a smaller lead is noise on a busy host, and dense is exact.
+(The model's plan gets no such preference: it charges α per tensor, while Horovod fuses the tensors
+of a cycle and AR-Topk shares every index set in one allgather per step.) Horovod's Gloo and MPI
 collectives do not expose ring vs. tree, so only the ring formulas are used here.
 
 **Adaptive ratio.** Every ``every`` steps the ranks agree on (a) the mean measured step time T and (b)
@@ -68,7 +69,7 @@ DEFAULT_RATIOS = (0.1, 0.03, 0.01, 0.003, 0.001)
 DEFAULT_WEIGHT = 0.3                               # w of J(c); measured, see the module docstring
 _HYSTERESIS = 0.05                                 # J must improve by more than this to move the ratio
 _TRIAL_SPAN = 4.0                                  # trial every uniform plan modelled within this x the best
-_TRIAL_MARGIN = 0.05                               # a measured lead smaller than this is a tie (see _trial_step)
+_TRIAL_MARGIN = 0.05                               # a lead over dense smaller than this is a tie (_trial_step)
 
 
 class Costs(NamedTuple):
@@ -169,8 +170,8 @@ class AutoTuner:
         every: steps between checks (ratio, drift), >= 2.
         trial_steps: steps of one plan in a row during the trial of plans (the first is not counted), >= 2.
         trial_rounds: how many times each plan takes its turn in the trial, >= 1.
-        trial_margin: a plan must be faster by more than this fraction to displace the all-dense plan or
-            the model's plan in the trial (a smaller lead is within the noise of a busy host).
+        trial_margin: a plan must be faster by more than this fraction to displace the all-dense plan
+            in the trial (a smaller lead is within the noise of a busy host).
         threshold: relative drift of communication time that triggers a new probe.
         probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
     """
@@ -267,8 +268,8 @@ class AutoTuner:
 
     def _trial_step(self, state, step):
         """The plans take turns, ``trial_steps`` steps each, for ``trial_rounds`` rounds; then the plan
-        with the fastest median step (agreed over the ranks) is kept, ties within ``trial_margin``
-        going to the all-dense plan, then to the model's plan."""
+        with the fastest median step (agreed over the ranks) is kept; the all-dense plan is kept when
+        it is within ``trial_margin`` of that."""
         arms, start = self.trial
         t = self.trial_steps
         block, r = divmod(step + 1 - start, t)
@@ -284,11 +285,11 @@ class AutoTuner:
             if s % t:
                 samples[(s // t) % len(arms)].append(step_s)
         medians = agree([statistics.median(x) for x in samples], "hvd_topk.auto.trial")
-        # A lead within the margin is not evidence: keep the all-dense plan if it is within it (exact,
-        # nothing held back), else the model's plan (arms[0]), else the next in trial order.
-        fastest = min(medians)
-        order = sorted(range(len(arms)), key=lambda a: (set(arms[a].values()) != {"dense"}, a))
-        best = next(a for a in order if medians[a] <= (1 + self.trial_margin) * fastest)
+        # A lead over dense within the margin is not evidence: then keep dense (exact, nothing held back).
+        best = min(range(len(arms)), key=lambda a: (medians[a], a))
+        dense = [a for a in range(len(arms)) if set(arms[a].values()) == {"dense"}]
+        if dense and medians[dense[0]] <= (1 + self.trial_margin) * medians[best]:
+            best = dense[0]
         self.trial, self.plan = None, arms[best]
         self.calibration = None                    # measured against the plan now in effect
         self._record(step, state.ratio, "trial: " + ", ".join(

@@ -23,6 +23,7 @@ def test_summary_judges_tbf_links_against_the_fastest_fixed_mode_and_unlimited_a
     s = sidebyside.summarise(_record(ms), "1gbit")
     assert s["modes"]["topkef"]["median_ms"] == 85 and s["best"] == "topkef"
     assert s["vs_best"] == pytest.approx(88 / 85 - 1) and s["met"] is True and s["auto_plan"] == "4 artopk"
+    assert s["paired_vs_best"] == pytest.approx(88 / 85 - 1)    # rounds: 86/80, 91/90, 88/85
     assert "vs_same" not in s                                  # no 'hvd_topk artopk' in this job
     with_artopk = sidebyside.summarise(_record({**ms, "hvd_topk artopk": [84, 86, 90]}), "1gbit")
     assert with_artopk["vs_same"] == ("hvd_topk artopk", pytest.approx(88 / 86 - 1))
