@@ -80,8 +80,8 @@ MODES = {
                                 "float16"],
 }
 # Warm-up steps (at least) a mode needs before its steps are representative: auto probes the
-# link after step 1 and may then measure up to 4 plans, each taking 3 turns of 3 steps (hvd_topk/auto.py).
-MODE_WARMUP = {"hvd_topk auto": 39}
+# link after step 1 and may then measure up to 4 plans, each taking 4 turns of 3 steps (hvd_topk/auto.py).
+MODE_WARMUP = {"hvd_topk auto": 51}
 SPARSE_COMPRESSIONS = ("topkef", "hvd_topk")
 RATIOS = (0.1, 0.01, 0.001)
 # Link name -> tbf rate (None: no qdisc, the loopback's own speed).
@@ -933,7 +933,7 @@ def notes(o):
         "with float16 values ('hvd_topk allgather fp16') it is 3/4 of that, 0.03 = 1/33.",
         "- **TopKEF vs hvd_topk.** TopKEF (stock Horovod's Compressor) compresses every tensor of at least "
         "min_numel elements, 1-D included; hvd_topk.DistributedOptimizer sends 1-D tensors dense.",
-        "- **auto.** Its first steps probe the link and may measure up to 4 plans in 3 turns of 3 steps each; "
+        "- **auto.** Its first steps probe the link and may measure up to 4 plans in 4 turns of 3 steps each; "
         "its steps are "
         f"measured after {MODE_WARMUP['hvd_topk auto']} warm-up steps. Its theoretical bytes are given when all "
         "its tensors use one transport (from `hvd_topk_stats`), else left empty.",

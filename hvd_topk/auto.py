@@ -18,7 +18,8 @@ cheapest wins; ties go to dense, then artopk. The model ignores the overlap with
 the ranks' competition for CPU (on a fast link a selection on every rank costs more than the model
 says), so its choice is checked by measurement: the model's plan and every uniform plan (all dense,
 all artopk, all allgather) modelled within 4x of it take turns, ``trial_steps`` steps at a time, for
-``trial_rounds`` rounds (A B C A B C ...: a slow spell of the host falls on every plan, not on one),
+``trial_rounds`` rounds (A B C A B C ...: a slow spell of the host falls on every plan, not on one;
+the first round, each transport's first use, is not counted),
 and the plan with the fastest median step (agreed over the ranks) is kept, unless the all-dense plan
 is within ``trial_margin`` (5%) of it: a smaller lead is noise on a busy host, and dense is exact.
 (The model's plan gets no such preference: it charges α per tensor, while Horovod fuses the tensors
@@ -169,14 +170,15 @@ class AutoTuner:
         weight: exponent of the gain in J.
         every: steps between checks (ratio, drift), >= 2.
         trial_steps: steps of one plan in a row during the trial of plans (the first is not counted), >= 2.
-        trial_rounds: how many times each plan takes its turn in the trial, >= 1.
+        trial_rounds: how many times each plan takes its turn in the trial, >= 1; with more than one,
+            the first round is not counted.
         trial_margin: a plan must be faster by more than this fraction to displace the all-dense plan
             in the trial (a smaller lead is within the noise of a busy host).
         threshold: relative drift of communication time that triggers a new probe.
         probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
     """
 
-    def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=3, trial_rounds=3,
+    def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=3, trial_rounds=4,
                  threshold=0.5, probe=None, trial_margin=_TRIAL_MARGIN):
         # configuration
         self.auto_transport, self.ratios, self.weight = auto_transport, ratios, weight
@@ -278,11 +280,13 @@ class AutoTuner:
         if block < len(arms) * self.trial_rounds:
             self.plan = arms[block % len(arms)]
             return
-        # Step s of the trial ran arms[(s // t) % len(arms)]; the first step of each turn (the
-        # transition) is not counted.
+        # Step s of the trial ran arms[(s // t) % len(arms)]. Not counted: the first step of each turn
+        # (the transition) and, with more than one round, the whole first round (each transport's first
+        # steps: buffers allocated, AR-Topk's index pipeline started).
         samples = [[] for _ in arms]
+        skip = len(arms) * t if self.trial_rounds > 1 else 0
         for s, step_s in enumerate(self.trial_times):
-            if s % t:
+            if s % t and s >= skip:
                 samples[(s // t) % len(arms)].append(step_s)
         medians = agree([statistics.median(x) for x in samples], "hvd_topk.auto.trial")
         # A lead over dense within the margin is not evidence: then keep dense (exact, nothing held back).

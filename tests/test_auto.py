@@ -112,6 +112,24 @@ def test_trial_lead_over_dense_within_the_margin_keeps_dense(hvd, step_s, kept):
     assert tuner.trial is None and tuner.plan == {"w": kept}
 
 
+def test_trial_does_not_count_the_first_round(hvd):
+    """Each transport's first turn (buffers allocated, index pipeline started) is not measured."""
+    class State:
+        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
+
+        @staticmethod
+        def density(step):
+            return 0.01
+
+    tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=2)
+    tuner.costs = SLOW
+    tuner.trial, tuner.plan = ([{"w": "allgather"}, {"w": "artopk"}], 1), {"w": "allgather"}
+    for step in range(1, 10):
+        first_use = step <= 4 and tuner.plan["w"] == "artopk"
+        tuner.end_step(State, step, 0.5 if first_use else {"artopk": 0.08, "allgather": 0.1}[tuner.plan["w"]], 0.0)
+    assert tuner.trial is None and tuner.plan == {"w": "artopk"}
+
+
 def test_reprobe_without_a_bandwidth_term_keeps_the_last_fit(hvd):
     from hvd_topk.probe import ProbeResult
 
