@@ -61,14 +61,15 @@ def test_trial_plans_are_the_models_plan_and_the_plausible_uniform_ones():
     assert trial_plans(numels, 0.01, 4, CPU_BOUND) == [dense]
 
 
+class State:                                          # what the tuner reads of the optimizer
+    sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
+
+    @staticmethod
+    def density(step):
+        return 0.01
+
+
 def test_trial_plans_take_turns_and_the_fastest_median_is_kept(hvd):
-    class State:                                      # what the tuner reads of the optimizer
-        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
-
-        @staticmethod
-        def density(step):
-            return 0.01
-
     tuner = AutoTuner(True, None, trial_steps=3, trial_rounds=3)
     tuner.costs = SLOW
     arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]
@@ -96,13 +97,6 @@ def test_trial_plans_take_turns_and_the_fastest_median_is_kept(hvd):
     ({"artopk": 0.100, "allgather": 0.110, "dense": 0.104}, "dense"),
 ])
 def test_trial_lead_over_dense_within_the_margin_keeps_dense(hvd, step_s, kept):
-    class State:
-        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
-
-        @staticmethod
-        def density(step):
-            return 0.01
-
     tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=2)
     tuner.costs = SLOW
     arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]      # arms[0]: the model's plan
@@ -114,13 +108,6 @@ def test_trial_lead_over_dense_within_the_margin_keeps_dense(hvd, step_s, kept):
 
 def test_trial_does_not_count_the_first_round(hvd):
     """Each transport's first turn (buffers allocated, index pipeline started) is not measured."""
-    class State:
-        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
-
-        @staticmethod
-        def density(step):
-            return 0.01
-
     tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=2)
     tuner.costs = SLOW
     tuner.trial, tuner.plan = ([{"w": "allgather"}, {"w": "artopk"}], 1), {"w": "allgather"}
