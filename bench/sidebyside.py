@@ -72,6 +72,8 @@ def worker(a):
 
     per_rank = len(y) // hvd.size()
     batches = per_rank // a.batch_size
+    if batches == 0:
+        raise ValueError(f"--batch-size must be at most {per_rank} (training samples per rank), got {a.batch_size}")
 
     def step(model, opt, t):
         perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(t // batches))
@@ -161,10 +163,14 @@ def pooled(records, bandwidth):
     return out
 
 
+def _verdict(met):
+    return "no data" if met is None else "met" if met else "not met"
+
+
 def report(results, command, pooled_results=()):
     """Markdown: one table per link and repeat, then the target per job."""
     L = ["# communication='auto' against the fixed modes, side by side in one job", "",
-         "Every mode trains its own copy of the wide digits CNN in the same 2-rank job; after each mode's "
+         "Every mode trains its own copy of the wide digits CNN in the same job; after each mode's "
          "warm-up the modes take one step each in turn, the order rotating every round. Step times in ms "
          "(rank 0, zero_grad to the end of step); bytes per rank per step from the loopback counters, "
          "approximate per mode (see `bench/sidebyside.py`). Targets: on a tbf link auto within 5% of the "
@@ -192,7 +198,7 @@ def report(results, command, pooled_results=()):
             same = f"{100 * s['vs_same'][1]:+.1f}% ({s['vs_same'][0]})" if "vs_same" in s else "-"
             goal = "vs dense" if s["bandwidth"] == "unlimited" else "vs fastest fixed"
             L.append(f"| {s['bandwidth']} | {s['repeat']} | {s['auto_plan']} | {100 * s['vs_best']:+.1f}% "
-                     f"({s['best']}) | {paired} | {dense} | {same} | **{'met' if s['met'] else 'not met'}** "
+                     f"({s['best']}) | {paired} | {dense} | {same} | **{_verdict(s['met'])}** "
                      f"({goal} <= +5%) |")
     return "\n".join(L) + "\n"
 
@@ -218,7 +224,7 @@ def driver(a):
                 js = os.path.join(tmp, "r.json")
                 argv = [sys.executable, "-m", "bench.sidebyside", "--worker", "--json-out", js,
                         "--modes", ",".join(a.modes), "--ratio", str(a.ratio), "--rounds", str(a.rounds),
-                        "--warmup", str(a.warmup), "--max-warmup", str(a.max_warmup)]
+                        "--warmup", str(a.warmup), "--max-warmup", str(a.max_warmup), "--batch-size", str(a.batch_size)]
                 t0 = time.perf_counter()
                 with namespace(BANDWIDTHS[bw], "1mb") as ns:
                     run_job(a.np, argv, timeout=a.timeout, prefix=ns.prefix, env={"HOROVOD_CYCLE_TIME": CYCLE_TIME_MS},
