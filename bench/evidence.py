@@ -80,8 +80,9 @@ MODES = {
                                 "float16"],
 }
 # Warm-up steps (at least) a mode needs before its steps are representative: auto probes the
-# link after step 1 and may then measure up to 4 plans, each taking 4 turns of 3 steps (hvd_topk/auto.py).
-MODE_WARMUP = {"hvd_topk auto": 51}
+# link after step 1 and then measures up to 4 plans in turns of 4 steps, for 5 to 21 rounds
+# (hvd_topk/auto.py); a longer trial is skipped as well (``measure``), from the record's history.
+MODE_WARMUP = {"hvd_topk auto": 2 + 3 * 4 * 8}
 SPARSE_COMPRESSIONS = ("topkef", "hvd_topk")
 RATIOS = (0.1, 0.01, 0.001)
 # Link name -> tbf rate (None: no qdisc, the loopback's own speed).
@@ -247,13 +248,22 @@ def scheme_of(record):
     return comm if comm in ("artopk", "allgather", "dense") else None
 
 
+def settled_step(record):
+    """The first step after auto's last trial of plans and the switch that follows it (0: no trial)."""
+    history = (record.get("hvd_topk_auto") or {}).get("history") or []
+    ends = [h[0] for h in history if str(h[3]).startswith("trial,")]
+    return ends[-1] + 2 if ends else 0
+
+
 def measure(record, warmup, min_measured):
-    """Step time and link bytes of one run after ``warmup`` steps; ValueError if too few remain.
+    """Step time and link bytes of one run after ``warmup`` steps, and after auto's trial of plans;
+    ValueError if too few remain.
 
     Returns:
         dict: measured_steps, step_s (median), step_s_p10, step_s_p90,
         link_bytes (sum of link_tx_bytes over the measured steps / steps / ranks).
     """
+    warmup = max(warmup, settled_step(record))
     times, tx = record["step_times_s"][warmup:], record["link_tx_bytes"][warmup:]
     if len(times) < min_measured:
         raise ValueError(f"{len(record['step_times_s'])} steps, {warmup} warm-up: fewer than "
@@ -933,9 +943,9 @@ def notes(o):
         "with float16 values ('hvd_topk allgather fp16') it is 3/4 of that, 0.03 = 1/33.",
         "- **TopKEF vs hvd_topk.** TopKEF (stock Horovod's Compressor) compresses every tensor of at least "
         "min_numel elements, 1-D included; hvd_topk.DistributedOptimizer sends 1-D tensors dense.",
-        "- **auto.** Its first steps probe the link and may measure up to 4 plans in 4 turns of 3 steps each; "
-        "its steps are "
-        f"measured after {MODE_WARMUP['hvd_topk auto']} warm-up steps. Its theoretical bytes are given when all "
+        "- **auto.** Its first steps probe the link and may measure up to 4 plans in turns of 4 steps, for 5 to 21 "
+        f"rounds; its steps are measured after {MODE_WARMUP['hvd_topk auto']} warm-up steps, or after its trial "
+        "when that takes longer. Its theoretical bytes are given when all "
         "its tensors use one transport (from `hvd_topk_stats`), else left empty.",
         "- **Time to accuracy.** The budget is checked at step boundaries, so a run's last step can end past it "
         "(one dense step at 100 Mbit with 4 ranks is ~12 s). Evaluation time is not on the clock.",

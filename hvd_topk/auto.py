@@ -17,14 +17,24 @@ compressed tensor (n elements, density c, N ranks) the modelled seconds are::
 cheapest wins; ties go to dense, then artopk. The model ignores the overlap with the backward pass and
 the ranks' competition for CPU (on a fast link a selection on every rank costs more than the model
 says), so its choice is checked by measurement: the model's plan and every uniform plan (all dense,
-all artopk, all allgather) modelled within 4x of it take turns, ``trial_steps`` steps at a time, for
-``trial_rounds`` rounds (A B C A B C ...: a slow spell of the host falls on every plan, not on one;
-the first round, each transport's first use, is not counted),
-and the plan with the fastest median step (agreed over the ranks) is kept, unless the all-dense plan
-is within ``trial_margin`` (5%) of it: a smaller lead is noise on a busy host, and dense is exact.
-(The model's plan gets no such preference: it charges α per tensor, while Horovod fuses the tensors
-of a cycle and AR-Topk shares every index set in one allgather per step.) Horovod's Gloo and MPI
-collectives do not expose ring vs. tree, so only the ring formulas are used here.
+all artopk, all allgather) modelled within 4x of it take turns, ``trial_steps`` steps at a time (A B C
+A B C ...: a slow spell of the host falls on every plan, not on one). The first step of each turn and
+the whole first round (each transport's first use) are not counted. After every round the ranks agree
+on each plan's mean counted step of that round; from round ``trial_rounds`` on, with R counted rounds,
+each plan is compared with the fastest so far through the paired differences d of their rounds
+(relative to the fastest's mean; t = Student's t quantile 0.975 with R - 1 degrees of freedom,
+m = ``trial_margin``, 5%)::
+
+    mean(d) - t * sd(d) / sqrt(R) > m      the plan is slower by more than m: it leaves the trial
+    mean(d) + m > t * sd(d) / sqrt(R)      the plan is not faster than the fastest by more than m
+
+and the trial ends when the second holds for every plan left (or after ``trial_max_rounds`` rounds).
+So a clear gap ends it in a few rounds, and two plans within the noise of each other take turns until
+either is shown to be within m of the other. The fastest is kept, unless the all-dense plan is within m
+of it: a smaller lead is noise on a busy host, and dense is exact. (The model's plan gets no such
+preference: it charges α per tensor, while Horovod fuses the tensors of a cycle and AR-Topk shares every
+index set in one allgather per step.) Horovod's Gloo and MPI collectives do not expose ring vs. tree,
+so only the ring formulas are used here.
 
 **Adaptive ratio.** Every ``every`` steps the ranks agree on (a) the mean measured step time T and (b)
 the compression gain G(c) = ‖top-k_c(acc)‖² / ‖acc‖² of each candidate ratio c, computed from the
@@ -71,6 +81,10 @@ DEFAULT_WEIGHT = 0.3                               # w of J(c); measured, see th
 _HYSTERESIS = 0.05                                 # J must improve by more than this to move the ratio
 _TRIAL_SPAN = 4.0                                  # trial every uniform plan modelled within this x the best
 _TRIAL_MARGIN = 0.05                               # a lead over dense smaller than this is a tie (_trial_step)
+# Student's t, quantile 0.975, by degrees of freedom (beyond the table: 30's): how many standard errors
+# of the mean of a few paired differences make a confident difference (_trial_verdict).
+_T975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13,
+         2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
 
 
 class Costs(NamedTuple):
@@ -161,6 +175,18 @@ def choose_ratio(current, step_seconds, gains, weight=DEFAULT_WEIGHT, hysteresis
     return best if cost(best) < (1 - hysteresis) * cost(current) else current
 
 
+class _Trial:
+    """The plans on trial and what the ranks agreed of them so far (``AutoTuner._trial_step``)."""
+
+    def __init__(self, arms):
+        self.arms = [dict(a) for a in arms]
+        self.active = list(range(len(arms)))       # the plans still taking turns, in turn order
+        self.rounds = 0                            # complete rounds
+        self.means = [[] for _ in arms]            # per plan: agreed mean counted step of each counted round
+        self.turn_times = []                       # this rank's step times of the turn under way
+        self.round_means = []                      # this rank's turn means of the round under way
+
+
 class AutoTuner:
     """Per-optimizer state of the automatic decisions (identical on every rank).
 
@@ -170,20 +196,24 @@ class AutoTuner:
         weight: exponent of the gain in J.
         every: steps between checks (ratio, drift), >= 2.
         trial_steps: steps of one plan in a row during the trial of plans (the first is not counted), >= 2.
-        trial_rounds: how many times each plan takes its turn in the trial, >= 1; with more than one,
-            the first round is not counted.
-        trial_margin: a plan must be faster by more than this fraction to displace the all-dense plan
-            in the trial (a smaller lead is within the noise of a busy host).
+        trial_rounds: the fewest rounds of the trial (the first is not counted), >= 3.
+        trial_max_rounds: the most rounds of the trial, >= trial_rounds.
+        trial_margin: the difference in step time the trial resolves: a plan within it of the fastest is
+            as good (the all-dense plan within it is kept: exact); a lead over dense smaller than this is
+            within the noise of a busy host.
         threshold: relative drift of communication time that triggers a new probe.
         probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
     """
 
-    def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=3, trial_rounds=4,
-                 threshold=0.5, probe=None, trial_margin=_TRIAL_MARGIN):
+    def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=4, trial_rounds=5,
+                 threshold=0.5, probe=None, trial_margin=_TRIAL_MARGIN, trial_max_rounds=21):
+        if trial_steps < 2 or trial_rounds < 3 or trial_max_rounds < trial_rounds:
+            raise ValueError(f"trial_steps must be >= 2, trial_rounds >= 3 and trial_max_rounds >= trial_rounds, "
+                             f"got {trial_steps}, {trial_rounds}, {trial_max_rounds}")
         # configuration
         self.auto_transport, self.ratios, self.weight = auto_transport, ratios, weight
         self.every, self.trial_steps, self.trial_rounds, self.threshold = every, trial_steps, trial_rounds, threshold
-        self.trial_margin = trial_margin
+        self.trial_margin, self.trial_max_rounds = trial_margin, trial_max_rounds
         self.probe = probe or Probe(repeats=3)
         # agreed measurements
         self.costs = None                 # Costs, after the first probe
@@ -191,13 +221,12 @@ class AutoTuner:
         self.last_probe_check = -math.inf
         # decisions
         self.plan = {}                    # name -> mode, in effect now (auto_transport)
-        self.trial = None                 # (plans to measure, first step of the first one)
+        self.trial = None                 # _Trial under way, or None
         self.history = []                 # (step, ratio, {mode: count}, reason), identical on all ranks
         # this rank's measurements of the current window
         self.step_times = []
         self.comm_times = []
         self.gain_sums = None             # [energy of each candidate ..., ||acc||^2] of one step
-        self.trial_times = []
 
     # -- what the optimizer asks ------------------------------------------------------------------
 
@@ -228,7 +257,7 @@ class AutoTuner:
             self.step_times.append(step_s)
             self.comm_times.append(comm_s)
             if self.trial is not None:
-                self.trial_times.append(step_s)
+                self.trial.turn_times.append(step_s)
         if self.costs is None:
             self._probe(state, step, reason="start")
             return None
@@ -265,40 +294,66 @@ class AutoTuner:
         self.trial = None
         arms = trial_plans(numels, density, n, self.costs)
         if len(arms) > 1:                               # the model is not sure enough: measure
-            self.trial, self.trial_times = (arms, step + 1), []
+            self.start_trial(arms)
         self._record(step, state.ratio, reason + (f", trial of {len(arms)} plans" if self.trial else ""))
 
+    def start_trial(self, arms):
+        """Measure ``arms`` (plans) in turns from the next step on (module docstring)."""
+        self.trial = _Trial(arms)
+        self.plan = dict(arms[0])
+
     def _trial_step(self, state, step):
-        """The plans take turns, ``trial_steps`` steps each, for ``trial_rounds`` rounds; then the plan
-        with the fastest median step (agreed over the ranks) is kept; the all-dense plan is kept when
-        it is within ``trial_margin`` of that."""
-        arms, start = self.trial
-        t = self.trial_steps
-        block, r = divmod(step + 1 - start, t)
-        if r:
+        """One step of the trial is over: next turn, next round, and after a round the agreed verdict."""
+        trial = self.trial
+        if len(trial.turn_times) < self.trial_steps:
             return
-        if block < len(arms) * self.trial_rounds:
-            self.plan = arms[block % len(arms)]
+        trial.round_means.append(statistics.fmean(trial.turn_times[1:]))   # the turn's first step: transition
+        trial.turn_times = []
+        if len(trial.round_means) < len(trial.active):
+            self.plan = dict(trial.arms[trial.active[len(trial.round_means)]])
             return
-        # Step s of the trial ran arms[(s // t) % len(arms)]. Not counted: the first step of each turn
-        # (the transition) and, with more than one round, the whole first round (each transport's first
-        # steps: buffers allocated, AR-Topk's index pipeline started).
-        samples = [[] for _ in arms]
-        skip = len(arms) * t if self.trial_rounds > 1 else 0
-        for s, step_s in enumerate(self.trial_times):
-            if s % t and s >= skip:
-                samples[(s // t) % len(arms)].append(step_s)
-        medians = agree([statistics.median(x) for x in samples], "hvd_topk.auto.trial")
-        # A lead over dense within the margin is not evidence: then keep dense (exact, nothing held back).
-        best = min(range(len(arms)), key=lambda a: (medians[a], a))
-        dense = [a for a in range(len(arms)) if set(arms[a].values()) == {"dense"}]
-        if dense and medians[dense[0]] <= (1 + self.trial_margin) * medians[best]:
-            best = dense[0]
-        self.trial, self.plan = None, arms[best]
+        trial.rounds += 1
+        if trial.rounds > 1:                       # the first round (each transport's first use) is not counted
+            agreed = agree(trial.round_means, "hvd_topk.auto.trial")
+            for a, m in zip(trial.active, agreed):
+                trial.means[a].append(m)
+        trial.round_means = []
+        if trial.rounds >= self.trial_rounds:
+            self._trial_verdict(state, step)
+        if self.trial is not None:
+            self.plan = dict(trial.arms[trial.active[0]])
+
+    def _trial_verdict(self, state, step):
+        """Drop the plans shown slower than the fastest by more than the margin; end the trial when no
+        plan left may be faster than the fastest by more than the margin (module docstring)."""
+        trial, m = self.trial, self.trial_margin
+        best = min(trial.active, key=lambda a: (statistics.fmean(trial.means[a]), a))
+        ref = statistics.fmean(trial.means[best])
+        settled = True
+        for a in list(trial.active):
+            if a == best:
+                continue
+            d = [(x - y) / ref for x, y in zip(trial.means[a], trial.means[best])]
+            if len(d) < 2:
+                settled = False
+                continue
+            tse = _T975[min(len(d) - 1, len(_T975)) - 1] * statistics.stdev(d) / math.sqrt(len(d))
+            if statistics.fmean(d) - tse > m:
+                trial.active.remove(a)             # slower by more than the margin: out
+            elif statistics.fmean(d) + m <= tse:
+                settled = False                    # may still be the faster one
+        if not settled and trial.rounds < self.trial_max_rounds:
+            return
+        means = {a: statistics.fmean(x) for a, x in enumerate(trial.means)}
+        dense = [a for a in range(len(trial.arms)) if set(trial.arms[a].values()) == {"dense"}]
+        if dense and dense[0] in trial.active and means[dense[0]] <= (1 + m) * means[best]:
+            best = dense[0]                        # a lead over dense within the margin: keep dense, exact
+        self.trial, self.plan = None, dict(trial.arms[best])
         self.calibration = None                    # measured against the plan now in effect
-        self._record(step, state.ratio, "trial: " + ", ".join(
-            f"{_plan_name(arm)} {m * 1e3:.1f} ms/step" for arm, m in zip(arms, medians))
-            + f"; kept {_plan_name(arms[best])}")
+        self._record(step, state.ratio, f"trial, {trial.rounds - 1} counted rounds: " + ", ".join(
+            f"{_plan_name(arm)} {means[a] * 1e3:.1f} ms/step"
+            + ("" if a in trial.active else f" (out after {len(trial.means[a])})")
+            for a, arm in enumerate(trial.arms)) + f"; kept {_plan_name(trial.arms[best])}")
         self.step_times, self.comm_times = [], []
 
     def _check(self, state, step):

@@ -1,5 +1,6 @@
 """communication='auto' and the adaptive ratio: pure decisions, bad input, and real 3-rank jobs."""
 import math
+import random
 import time
 
 import pytest
@@ -69,25 +70,66 @@ class State:                                          # what the tuner reads of 
         return 0.01
 
 
-def test_trial_plans_take_turns_and_the_fastest_median_is_kept(hvd):
-    tuner = AutoTuner(True, None, trial_steps=3, trial_rounds=4)      # the first round is not counted
+def run_trial(tuner, arms, step_s, first=1, limit=500):
+    """Feed the tuner's trial of ``arms`` the step times ``step_s(step, mode)``; the modes run, in order."""
     tuner.costs = SLOW
-    arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]
-    tuner.trial, tuner.plan = (arms, 5), dict(arms[0])
-    step_s = {"artopk": 0.3, "allgather": 0.1, "dense": 0.2}
+    tuner.start_trial(arms)
     seen = []
-    for step in range(5, 41):
+    for step in range(first, first + limit):
         mode = tuner.plan["w"]
         seen.append(mode)
-        transition = 5.0 if (step - 5) % 3 == 0 else 0.0     # the first step of each turn is not counted
-        spell = 0.5 if 17 <= step < 20 else 0.0               # the host is slow in allgather's first counted turn
-        assert tuner.trial is not None
-        assert tuner.end_step(State, step, step_s[mode] + transition + spell, 0.0) is None
+        assert tuner.end_step(State, step, step_s(step, mode), 0.0) is None
+        if tuner.trial is None:
+            return seen
+    raise AssertionError(f"the trial did not end in {limit} steps")
+
+
+def test_trial_plans_take_turns_and_the_fastest_is_kept(hvd):
+    tuner = AutoTuner(True, None, trial_steps=3, trial_rounds=4)      # the first round is not counted
+    arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]
+    times = {"artopk": 0.3, "allgather": 0.1, "dense": 0.2}
+    seen = run_trial(tuner, arms, lambda step, mode: times[mode] + (5.0 if (step - 5) % 3 == 0 else 0.0), first=5)
+    # no noise: after the fewest rounds, the fastest is shown, and the others shown slower
     assert seen == (["artopk"] * 3 + ["allgather"] * 3 + ["dense"] * 3) * 4
     assert tuner.trial is None and tuner.plan == {"w": "allgather"}
-    assert "all allgather 100.0 ms/step" in tuner.history[-1][3]
-    assert "all artopk 300.0 ms/step" in tuner.history[-1][3]
+    reason = tuner.history[-1][3]
+    assert reason.startswith("trial, 3 counted rounds: ")
+    assert "all allgather 100.0 ms/step" in reason and "all artopk 300.0 ms/step (out after 3)" in reason
+    assert reason.endswith("kept all allgather")
+
+
+def test_trial_goes_on_while_a_slow_spell_leaves_the_order_open(hvd):
+    """A slow spell of the host in one turn makes the rounds disagree: the plan shown slower by more
+    than the margin leaves, the other two take turns until the spell is outweighed."""
+    tuner = AutoTuner(True, None, trial_steps=3, trial_rounds=4)
+    arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]
+    times = {"artopk": 0.3, "allgather": 0.1, "dense": 0.2}
+    seen = run_trial(tuner, arms, lambda step, mode: times[mode] + (0.5 if 17 <= step < 20 else 0.0), first=5)
+    assert seen[12:15] == ["allgather"] * 3                           # the spell: allgather's 2nd turn
+    assert len(seen) > 36                                             # beyond the fewest rounds
+    assert seen[36:] == (["allgather"] * 3 + ["dense"] * 3) * ((len(seen) - 36) // 6)   # artopk out
+    assert tuner.plan == {"w": "allgather"}
     assert tuner.history[-1][3].endswith("kept all allgather")
+
+
+def test_trial_with_equal_plans_ends_at_the_most_rounds(hvd):
+    tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=3, trial_max_rounds=7)
+    arms = [{"w": "artopk"}, {"w": "allgather"}]
+    noise = [0.0, 0.03, -0.02, 0.05, 0.01, -0.04, 0.02]               # the same host, turn by turn
+    seen = run_trial(tuner, arms, lambda step, mode: 0.1 + noise[((step - 1) // 2) % 7])
+    assert len(seen) == 7 * 2 * 2
+    assert tuner.history[-1][3].startswith("trial, 6 counted rounds: ")
+
+
+def test_trial_stops_early_on_a_clear_gap_in_noise(hvd):
+    """Plans 10% apart in a noisy host: settled long before the most rounds, the fast one kept."""
+    tuner = AutoTuner(True, None, trial_steps=3, trial_rounds=4, trial_max_rounds=40)
+    arms = [{"w": "allgather"}, {"w": "artopk"}]
+    rng = random.Random(3)
+    seen = run_trial(tuner, arms, lambda step, mode: {"artopk": 0.08, "allgather": 0.088}[mode]
+                     * (1 + rng.uniform(-0.15, 0.15)))
+    assert tuner.plan == {"w": "artopk"}
+    assert len(seen) < 40 * 6
 
 
 @pytest.mark.parametrize("step_s, kept", [
@@ -97,24 +139,25 @@ def test_trial_plans_take_turns_and_the_fastest_median_is_kept(hvd):
     ({"artopk": 0.100, "allgather": 0.110, "dense": 0.104}, "dense"),
 ])
 def test_trial_lead_over_dense_within_the_margin_keeps_dense(hvd, step_s, kept):
-    tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=2)
-    tuner.costs = SLOW
+    tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=3)
     arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]      # arms[0]: the model's plan
-    tuner.trial, tuner.plan = (arms, 1), dict(arms[0])
-    for step in range(1, 14):
-        assert tuner.end_step(State, step, step_s[tuner.plan["w"]], 0.0) is None
+    run_trial(tuner, arms, lambda step, mode: step_s[mode])
     assert tuner.trial is None and tuner.plan == {"w": kept}
 
 
 def test_trial_does_not_count_the_first_round(hvd):
     """Each transport's first turn (buffers allocated, index pipeline started) is not measured."""
-    tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=2)
-    tuner.costs = SLOW
-    tuner.trial, tuner.plan = ([{"w": "allgather"}, {"w": "artopk"}], 1), {"w": "allgather"}
-    for step in range(1, 10):
-        first_use = step <= 4 and tuner.plan["w"] == "artopk"
-        tuner.end_step(State, step, 0.5 if first_use else {"artopk": 0.08, "allgather": 0.1}[tuner.plan["w"]], 0.0)
+    tuner = AutoTuner(True, None, trial_steps=2, trial_rounds=3)
+    arms = [{"w": "allgather"}, {"w": "artopk"}]
+    run_trial(tuner, arms, lambda step, mode: 0.5 if step <= 4 and mode == "artopk"
+              else {"artopk": 0.08, "allgather": 0.1}[mode])
     assert tuner.trial is None and tuner.plan == {"w": "artopk"}
+
+
+def test_trial_settings_are_checked():
+    for kw in ({"trial_steps": 1}, {"trial_rounds": 2}, {"trial_rounds": 5, "trial_max_rounds": 4}):
+        with pytest.raises(ValueError, match="trial_steps must be >= 2, trial_rounds >= 3"):
+            AutoTuner(True, None, **kw)
 
 
 def test_reprobe_without_a_bandwidth_term_keeps_the_last_fit(hvd):

@@ -68,6 +68,12 @@ def test_measure_skips_warmup_and_needs_enough_steps():
     assert m["link_bytes"] == pytest.approx(60 / 3 / 2)
     with pytest.raises(ValueError, match="fewer than 4 measured steps"):
         evidence.measure(record, warmup=2, min_measured=4)
+    # auto: a trial of plans that ends after the planned warm-up is skipped as well
+    trial = {**record, "hvd_topk_auto": {"history": [[1, 0.01, {}, "start, trial of 2 plans"],
+                                                     [1, 0.01, {}, "trial, 3 counted rounds: ...; kept all artopk"]]}}
+    m = evidence.measure(trial, warmup=2, min_measured=2)
+    assert m["measured_steps"] == 2 and m["step_s"] == 2.5
+    assert evidence.settled_step({"hvd_topk_auto": None}) == 0
 
 
 def test_unsupported_option_is_recognised():
