@@ -5,9 +5,12 @@ one job's median step differs from the next one's by 10-20%: more than the 5% th
 allows. Here every mode trains its own copy of the wide digits CNN (6.33M parameters, same seed) in
 one 2-rank horovodrun job (Gloo, ``HOROVOD_CYCLE_TIME=20``) inside a fresh network namespace whose
 loopback is limited by tbf (or not). First each mode runs its warm-up alone, in turn: 5 steps, and
-auto until its probe and its trial of plans are over. Then the modes take turns one step each, in
-an order that rotates every round (so each mode follows every other equally often), for
-``--rounds`` rounds: a slow spell of the host falls on all modes alike.
+auto until its probe and its trial of plans are over. Then the modes take turns, ``--turn`` steps
+each, in an order that rotates every round (so each mode follows every other equally often), for
+``--rounds`` rounds: a slow spell of the host falls on all modes alike. With turns of one step, the
+work that outlives a step (TopKEF's and AR-Topk's next index sets) finishes during another mode's
+step; a job running one mode has no such gap. Turns of several steps, of which the first is not
+recorded, measure each mode following itself, as in a job of its own.
 
 Step time: rank 0's wall time from ``zero_grad()`` to the end of ``step()``; per mode the median over
 the rounds (the mean and quartiles are given too). Link bytes: the loopback's tx counter read by
@@ -84,7 +87,7 @@ def worker(a):
         opt.step()
         return time.perf_counter() - t0, loopback_bytes()[0] - tx0
 
-    out = {"ranks": hvd.size(), "ratio": a.ratio, "rounds": a.rounds, "modes": {}}
+    out = {"ranks": hvd.size(), "ratio": a.ratio, "rounds": a.rounds, "turn": a.turn, "modes": {}}
     steps = {}
     for mode, model, opt in arms:                       # warm-up: each mode alone, in turn
         n = 0
@@ -95,13 +98,15 @@ def worker(a):
             n += 1
         steps[mode] = n
         out["modes"][mode] = {"warmup_steps": n, "step_s": [], "bytes": []}
-    for r in range(a.rounds):                           # then one step each, the order rotating
+    for r in range(a.rounds):                           # then --turn steps each, the order rotating
         for j in range(len(arms)):
             mode, model, opt = arms[(r + j) % len(arms)]
-            s, b = step(model, opt, steps[mode])
-            steps[mode] += 1
-            out["modes"][mode]["step_s"].append(s)
-            out["modes"][mode]["bytes"].append(b / hvd.size())
+            for k in range(a.turn):
+                s, b = step(model, opt, steps[mode])
+                steps[mode] += 1
+                if k or a.turn == 1:                    # a turn's first step follows another mode
+                    out["modes"][mode]["step_s"].append(s)
+                    out["modes"][mode]["bytes"].append(b / hvd.size())
     for mode, model, opt in arms:
         if mode == AUTO:
             state = opt.auto_state()
@@ -142,6 +147,9 @@ def summarise(record, bandwidth):
         out["met"] = None if out[key] is None else out[key] <= TARGET
         plan = (record.get("auto") or {}).get("stats") or {}
         out["auto_plan"] = ", ".join(f"{v} {k[5:]}" for k, v in plan.items() if v)
+        trials = [h[3] for h in (record.get("auto") or {}).get("history", []) if str(h[3]).startswith("trial")]
+        if trials:
+            out["auto_trial"] = trials[-1]
         used = [k[5:] for k, v in plan.items() if v]
         same = {"dense": "dense"}.get(used[0], f"hvd_topk {used[0]}") if len(used) == 1 else None
         if same in rows:        # the same transport as a fixed mode: the spread of two equal configurations
@@ -171,18 +179,21 @@ def report(results, command, pooled_results=()):
     """Markdown: one table per link and repeat, then the target per job."""
     L = ["# communication='auto' against the fixed modes, side by side in one job", "",
          "Every mode trains its own copy of the wide digits CNN in the same job; after each mode's "
-         "warm-up the modes take one step each in turn, the order rotating every round. Step times in ms "
+         "warm-up the modes take turns (of one step or more; with more, a turn's first step, which follows "
+         "another mode, is not recorded), the order rotating every round. Step times in ms "
          "(rank 0, zero_grad to the end of step); bytes per rank per step from the loopback counters, "
          "approximate per mode (see `bench/sidebyside.py`). Targets: on a tbf link auto within 5% of the "
          "fastest fixed mode, on the unlimited loopback within 5% of dense.", "",
          f"Command: `{command}`", ""]
     for s in results:
-        L += [f"## {s['bandwidth']}, repeat {s['repeat']} ({s['rounds']} rounds)", "",
+        turn = s.get("turn", 1)
+        L += [f"## {s['bandwidth']}, repeat {s['repeat']} ({s['rounds']} rounds, turns of {turn} step"
+              f"{'s' if turn > 1 else ''})", "",
               "| mode | median | mean | quartiles | bytes/rank/step | warm-up steps |", "|---|---:|---:|---|---:|---:|"]
         for mode, r in s["modes"].items():
             L.append(f"| {mode} | {r['median_ms']:,.1f} | {r['mean_ms']:,.1f} | {r['q1_ms']:,.1f}-{r['q3_ms']:,.1f} | "
                      f"{r['bytes']:,.0f} | {r['warmup_steps']} |")
-        L.append("")
+        L += ["", f"auto's trial: {s['auto_trial']}", ""] if "auto_trial" in s else [""]
     L += ["## Target", "",
           "Per job, and (repeat 'all', when a link ran more than one job) every job of a link pooled: all their "
           "rounds together. Paired: the median over rounds of auto's step over the fastest fixed mode's step in "
@@ -218,13 +229,15 @@ def driver(a):
                 if os.path.exists(saved):
                     with open(saved) as f:
                         records.setdefault(bw, []).append(json.load(f))
-                    results.append(dict(summarise(records[bw][-1], bw), repeat=rep, rounds=records[bw][-1]["rounds"]))
+                    results.append(dict(summarise(records[bw][-1], bw), repeat=rep, rounds=records[bw][-1]["rounds"],
+                                            turn=records[bw][-1].get("turn", 1)))
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 js = os.path.join(tmp, "r.json")
                 argv = [sys.executable, "-m", "bench.sidebyside", "--worker", "--json-out", js,
                         "--modes", ",".join(a.modes), "--ratio", str(a.ratio), "--rounds", str(a.rounds),
-                        "--warmup", str(a.warmup), "--max-warmup", str(a.max_warmup), "--batch-size", str(a.batch_size)]
+                        "--warmup", str(a.warmup), "--max-warmup", str(a.max_warmup), "--batch-size", str(a.batch_size),
+                        "--turn", str(a.turn)]
                 t0 = time.perf_counter()
                 with namespace(BANDWIDTHS[bw], "1mb") as ns:
                     run_job(a.np, argv, timeout=a.timeout, prefix=ns.prefix, env={"HOROVOD_CYCLE_TIME": CYCLE_TIME_MS},
@@ -235,7 +248,7 @@ def driver(a):
             with open(saved, "w") as f:
                 json.dump(record, f)
             records.setdefault(bw, []).append(record)
-            s = dict(summarise(record, bw), repeat=rep, rounds=a.rounds)
+            s = dict(summarise(record, bw), repeat=rep, rounds=a.rounds, turn=a.turn)
             results.append(s)
             print(f"{bw} repeat {rep}: {time.perf_counter() - t0:.0f} s; "
                   + ", ".join(f"{m} {r['median_ms']:.1f} ms" for m, r in s["modes"].items())
@@ -255,9 +268,11 @@ def parse_args(argv=None):
     p.add_argument("--bandwidths", default="100mbit,1gbit,unlimited", help=f"comma-separated, of {list(BANDWIDTHS)}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     p.add_argument("--ratio", type=float, default=0.01)
-    p.add_argument("--rounds", type=int, default=60, help="steps of every mode after the warm-up")
+    p.add_argument("--rounds", type=int, default=60, help="turns of every mode after the warm-up")
+    p.add_argument("--turn", type=int, default=1, help="steps of one mode in a row; with more than one, the first "
+                                                       "of each turn is not recorded")
     p.add_argument("--warmup", type=int, default=5, help="steps of every mode alone before the rounds")
-    p.add_argument("--max-warmup", type=int, default=200, help="auto: steps allowed for its probe and trial")
+    p.add_argument("--max-warmup", type=int, default=300, help="auto: steps allowed for its probe and trial")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--repeats", type=int, default=1, help="jobs per link")
     p.add_argument("--np", type=int, default=2)
@@ -272,7 +287,7 @@ def parse_args(argv=None):
     bad = [b for b in a.bandwidths if b not in BANDWIDTHS] + [m for m in a.modes if m not in MODES]
     if bad or not a.modes or len(set(a.modes)) != len(a.modes):
         p.error(f"--bandwidths take {list(BANDWIDTHS)}, --modes {list(MODES)}, each once; got {bad or a.modes}")
-    for name in ("rounds", "warmup", "max_warmup", "batch_size", "repeats", "np", "timeout"):
+    for name in ("rounds", "turn", "warmup", "max_warmup", "batch_size", "repeats", "np", "timeout"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     if not 0 < a.ratio <= 1:

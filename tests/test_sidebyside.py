@@ -49,6 +49,7 @@ def test_pooled_jobs_and_the_paired_figure():
 @pytest.mark.parametrize("argv, match", [
     (["--bandwidths", "10mbit"], "10mbit"), (["--modes", "dense,fp8"], "fp8"), (["--modes", "dense,dense"], "dense"),
     (["--rounds", "0"], "--rounds must be at least 1"), (["--ratio", "1.5"], "--ratio must be in (0, 1]"),
+    (["--turn", "0"], "--turn must be at least 1"),
 ])
 def test_bad_arguments_name_the_flag(capsys, argv, match):
     with pytest.raises(SystemExit):
@@ -59,12 +60,14 @@ def test_bad_arguments_name_the_flag(capsys, argv, match):
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and ip (network namespace)")
 def test_one_real_job_interleaves_dense_and_auto(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.sidebyside", "--bandwidths", "unlimited", "--modes",
-                    "dense,hvd_topk auto", "--rounds", "3", "--out", str(tmp_path)], cwd=ROOT, check=True,
-                   timeout=600, capture_output=True)
+                    "dense,hvd_topk auto", "--rounds", "3", "--turn", "2", "--out", str(tmp_path)], cwd=ROOT,
+                   check=True, timeout=600, capture_output=True)
     record = json.loads((tmp_path / "unlimited-rep1.json").read_text())
+    # 3 turns of 2 steps each; a turn's first step is not recorded
     assert [len(record["modes"][m]["step_s"]) for m in ("dense", "hvd_topk auto")] == [3, 3]
     assert record["modes"]["dense"]["warmup_steps"] == 5
     assert record["modes"]["hvd_topk auto"]["warmup_steps"] > 5           # its probe and trial came first
-    assert any(h[3].startswith("trial:") for h in record["auto"]["history"])
+    assert any(h[3].startswith("trial, ") for h in record["auto"]["history"])
     assert min(record["modes"]["dense"]["bytes"]) > 2e7                     # 6.33M fp32 gradients, ring of 2
-    assert "## Target" in (tmp_path / "report.md").read_text()
+    text = (tmp_path / "report.md").read_text()
+    assert "## Target" in text and "(3 rounds, turns of 2 steps)" in text and "auto's trial: trial, " in text
