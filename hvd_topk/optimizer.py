@@ -105,6 +105,7 @@ class _TopKState:
         self.bucket = []                      # global selection: (name, p, g, u_new) of this step
         self.bucket_out = {}                  # global selection: name -> aggregated gradient
         self.commits = []                     # state updates of this step, applied if it is finite
+        self.sent = set()                     # sparse keys submitted this step (layerwise selection)
         self.nonfinite = False                # some gradient of this step was non-finite somewhere
         self.last_end = None                  # clock() at the end of the previous step
 
@@ -199,6 +200,12 @@ class _TopKState:
             self.bucket.append((name, p, g, u_new))
             return lambda: self._bucket_output(name)
         finish = self._sparse_transport(name, g)
+        self.sent.add(name)
+        if len(self.sent) == len(self.sparse_numels):
+            # The step's last compressed tensor: start sharing the next step's AR-Topk index sets now,
+            # in the same Horovod cycle as the values, not after synchronize() (a cycle later, and the
+            # next step's first select would wait for it).
+            self.index_sets.flush()
 
         def done():
             dense, residual, indices = finish()
@@ -340,7 +347,8 @@ class _TopKState:
         every gradient on every rank was finite (the decision is identical on all ranks, since it is
         read from aggregated values); advance the step; share the VAR score. Returns True if the
         step was non-finite."""
-        self.index_sets.flush()               # the next step's AR-Topk index sets, one allgather
+        self.index_sets.flush()               # the index sets, unless shared at the last submit
+        self.sent = set()
         self.collectives.end_step()
         nonfinite = self.nonfinite
         if not nonfinite:

@@ -127,6 +127,19 @@ def test_dense_steps_come_before_the_warmup(hvd):
     assert densities[5:] == [0.001, 0.001]
 
 
+def test_index_sets_leave_with_the_last_compressed_gradient(hvd):
+    """AR-Topk's next index sets are shared as soon as the step's last compressed gradient is submitted
+    (during backward, in the Horovod cycle of the values), not after synchronize()."""
+    model, opt = make(hvd, compression=TopKEF(ratio=0.1, min_numel=1), communication="artopk")
+    pipeline = opt._hvd_topk.index_sets
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()       # the hooks submit every gradient
+        assert pipeline.outgoing == {}                         # flushed before synchronize()
+        assert sorted(pipeline.ready) == ["0.weight", "1.weight"]
+        opt.step()
+
+
 def test_zero_grad_accepts_set_to_none(hvd):
     model, opt = make(hvd)
     model(torch.randn(2, 8)).sum().backward()
