@@ -54,8 +54,9 @@ ratio). The ratio moves only when J improves by more than 5%; a new ratio takes 
 later, so the AR-Topk index set prepared one step ahead already has the new size.
 
 **Re-deciding.** At each check the measured communication time is compared with the model's
-prediction, scaled by the calibration taken at the last probe; a drift of more than ``threshold``
-re-runs the probe and the transport choice (at most once per 4 checks).
+prediction, scaled by the calibration taken at the last probe; a drift of more than ``threshold``, the
+same way at two checks in a row (one slow spell of a busy host is not a new network), re-runs the
+probe and the transport choice (at most once per 4 checks).
 """
 import logging
 import math
@@ -219,6 +220,7 @@ class AutoTuner:
         self.costs = None                 # Costs, after the first probe
         self.calibration = None           # measured / modelled communication at the last probe
         self.last_probe_check = -math.inf
+        self.drift_sign = 0               # +1/-1: the last check drifted up/down beyond threshold; 0: not
         # decisions
         self.plan = {}                    # name -> mode, in effect now (auto_transport)
         self.trial = None                 # _Trial under way, or None
@@ -373,11 +375,16 @@ class AutoTuner:
         modelled = plan_seconds(numels, plan, density, n, self.costs)
         if self.calibration is None:
             self.calibration = comm_s / modelled if modelled > 0 else None
+            self.drift_sign = 0
         elif modelled > 0 and step - self.last_probe_check >= 4 * self.every:
             ratio = comm_s / modelled / self.calibration
-            if abs(math.log(max(ratio, 1e-12))) > math.log1p(self.threshold):
-                self._probe(state, step, reason=f"drift x{ratio:.2f}")
+            log_ratio = math.log(max(ratio, 1e-12))
+            sign = 0 if abs(log_ratio) <= math.log1p(self.threshold) else (1 if log_ratio > 0 else -1)
+            if sign and sign == self.drift_sign:          # the second check in a row, the same way
+                self.drift_sign = 0
+                self._probe(state, step, reason=f"drift x{ratio:.2f} at two checks")
                 return None
+            self.drift_sign = sign
         if self.ratios is None or not gains or gains[-1] <= 0:
             return None
         total = gains[-1]

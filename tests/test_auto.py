@@ -160,6 +160,27 @@ def test_trial_settings_are_checked():
             AutoTuner(True, None, **kw)
 
 
+def test_drift_reprobes_only_when_two_checks_in_a_row_drift_the_same_way(hvd):
+    tuner = AutoTuner(True, None, every=2)
+    tuner.costs, tuner.plan, tuner.last_probe_check = SLOW, {"w": "artopk"}, 0
+    probes = []
+    tuner._probe = lambda state, step, reason: probes.append((step, reason))
+    modelled = plan_seconds(State.sparse_numels, tuner.plan, 0.01, 1, SLOW)
+
+    def check(step, factor):
+        tuner.comm_times, tuner.step_times = [factor * modelled], [0.1]
+        tuner._check(State, step)
+
+    check(1, 1.0)                          # calibration
+    check(9, 2.0)                          # one slow spell: up
+    check(11, 1.0)                         # gone
+    check(13, 0.4)                         # down ...
+    check(15, 2.0)                         # ... then up: not the same way
+    assert probes == []
+    check(17, 2.1)                         # up twice in a row: a new network
+    assert probes == [(17, "drift x2.10 at two checks")]
+
+
 def test_reprobe_without_a_bandwidth_term_keeps_the_last_fit(hvd):
     from hvd_topk.probe import ProbeResult
 
