@@ -36,6 +36,16 @@ def test_summary_judges_tbf_links_against_the_fastest_fixed_mode_and_unlimited_a
     assert "not met" in sidebyside.report([dict(lost, repeat=1, rounds=3)], "cmd")
 
 
+def test_pooled_jobs_and_the_paired_figure():
+    one = _record({"dense": [100, 100], "hvd_topk artopk": [80, 100], "hvd_topk auto": [84, 100]})
+    two = _record({"dense": [100, 100], "hvd_topk artopk": [90, 110], "hvd_topk auto": [90, 121]})
+    s = sidebyside.pooled([one, two], "1gbit")
+    assert s["modes"]["hvd_topk artopk"]["median_ms"] == 95 and s["modes"]["hvd_topk auto"]["median_ms"] == 95
+    assert s["best"] == "hvd_topk artopk" and s["vs_best"] == 0 and s["met"] is True
+    assert s["paired_vs_best"] == pytest.approx(0.025)       # rounds: 1.05, 1.00, 1.00, 1.10
+    assert s["auto_plan"] == "4 artopk; 4 artopk"
+
+
 def test_topkef_is_compared_but_is_not_a_fixed_mode_of_the_target():
     """TopKEF (no momentum correction) is reported against auto, not taken as the fastest fixed mode."""
     ms = {"topkef": [70, 70, 70], "hvd_topk artopk": [80, 80, 80], "hvd_topk auto": [82, 82, 82]}
