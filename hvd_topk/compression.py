@@ -10,7 +10,6 @@ How the index set is shared without a blocking collective per parameter: see ``c
 broadcasts inside compress and waits).
 """
 import math
-import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -20,6 +19,7 @@ from horovod.torch.compression import Compressor
 from .memory import ResidualMemory, SlotSequence
 from .comm import IndexPipeline, finite_flag, flag_raised, star_leader
 from .sparsify import k_for, scatter_dense, sq_norm_finite
+from .validate import check_int, check_number
 
 __all__ = ["TopKEF"]
 
@@ -45,14 +45,6 @@ class _ClassOrInstance:
 
     def __get__(self, obj, cls):
         return self._fn.__get__(cls.default() if obj is None else obj, cls)
-
-
-def _check_ratio(ratio):
-    """ValueError unless 0 < ratio <= 1."""
-    if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
-            or math.isnan(ratio) or not 0.0 < ratio <= 1.0):
-        raise ValueError(f"ratio must be a number in (0, 1] (fraction of elements kept), got {ratio!r}")
-    return float(ratio)
 
 
 class TopKEF(Compressor):
@@ -84,10 +76,8 @@ class TopKEF(Compressor):
     _instances = 0            # creation counter: names the index collectives identically on all ranks
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False):
-        self.ratio = _check_ratio(ratio)
-        if isinstance(min_numel, bool) or not isinstance(min_numel, numbers.Integral) or min_numel < 0:
-            raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
-        self.min_numel = int(min_numel)
+        self.ratio = check_number("ratio", ratio, low=0, high=1, low_open=True, what="(fraction of elements kept)")
+        self.min_numel = check_int("min_numel", min_numel)
         self.sync_indices = bool(sync_indices)
         # state, per rank
         self.memory = ResidualMemory()        # slot -> residual

@@ -25,7 +25,7 @@ artopk_tree    3α·log N + Mcβ·log N·(2 + r)                 the same with a
 With one worker there is nothing to communicate and every time is 0.
 """
 import math
-import numbers
+from .validate import check_int, check_number
 
 __all__ = ["COLLECTIVES", "predict", "choose", "crossover_density"]
 
@@ -126,23 +126,14 @@ def crossover_density(n_workers, index_bytes=4, value_bytes=4):
 
 def _check(n_workers, message_bytes, density, alpha, beta, index_bytes, value_bytes):
     """Validated (N, M, c, alpha, beta, index/value ratio); ValueError names the bad argument."""
-    if isinstance(n_workers, bool) or not isinstance(n_workers, numbers.Integral) or n_workers < 1:
-        raise ValueError(f"n_workers must be an int >= 1, got {n_workers!r}")
-    m = _real("message_bytes", message_bytes, ">= 0", lambda v: v >= 0)
-    c = _real("density", density, "in (0, 1]", lambda v: 0 < v <= 1)
-    a = _real("alpha", alpha, ">= 0 (seconds)", lambda v: v >= 0)
-    b = _real("beta", beta, ">= 0 (seconds per byte)", lambda v: v >= 0)
-    si = _real("index_bytes", index_bytes, "> 0", lambda v: v > 0)
-    sv = _real("value_bytes", value_bytes, "> 0", lambda v: v > 0)
-    return int(n_workers), m, c, a, b, si / sv
-
-
-def _real(name, value, accepted, ok):
-    """``value`` as a finite float satisfying ``ok``, or ValueError naming ``name`` and ``accepted``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-            or not ok(float(value)):
-        raise ValueError(f"{name} must be a finite number {accepted}, got {value!r}")
-    return float(value)
+    n = check_int("n_workers", n_workers, low=1)
+    m = check_number("message_bytes", message_bytes, low=0)
+    c = check_number("density", density, low=0, high=1, low_open=True)
+    a = check_number("alpha", alpha, low=0, what="(seconds)")
+    b = check_number("beta", beta, low=0, what="(seconds per byte)")
+    si = check_number("index_bytes", index_bytes, low=0, low_open=True)
+    sv = check_number("value_bytes", value_bytes, low=0, low_open=True)
+    return n, m, c, a, b, si / sv
 
 
 def _check_candidates(candidates):

@@ -30,7 +30,6 @@ Example:
     >>> best = costmodel.choose(hvd.size(), 4e6, 0.01, res.alpha, res.beta)
 """
 import math
-import numbers
 import statistics
 import time
 from typing import NamedTuple, Tuple
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 from .comm import agree
+from .validate import check_choice, check_int, check_number
 
 __all__ = ["DEFAULT_SIZES", "ProbeResult", "Probe", "fit_line", "to_alpha_beta", "drift"]
 
@@ -112,10 +112,8 @@ def to_alpha_beta(intercept_s, slope_s_per_byte, n_workers, collective="allreduc
         >>> to_alpha_beta(4e-4, 2e-8, 2)     # 2 ranks: α = a/2, β = b
         (0.0002, 2e-08)
     """
-    if collective not in _PROBED:
-        raise ValueError(f"collective must be one of {_PROBED}, got {collective!r}")
-    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
-        raise ValueError(f"n_workers must be an int >= 1, got {n_workers!r}")
+    check_choice("collective", collective, _PROBED)
+    check_int("n_workers", n_workers, low=1)
     if n_workers == 1:
         return 0.0, 0.0
     if collective == "allreduce":
@@ -144,12 +142,9 @@ def drift(measured_comm_s, predicted_comm_s, threshold=0.25):
         >>> drift(0.013, 0.010), drift(0.011, 0.010)
         (True, False)
     """
-    for name, value in (("measured_comm_s", measured_comm_s), ("predicted_comm_s", predicted_comm_s)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold) \
-            or threshold <= 0:
-        raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
+    check_number("measured_comm_s", measured_comm_s, low=0)
+    check_number("predicted_comm_s", predicted_comm_s, low=0)
+    check_number("threshold", threshold, low=0, low_open=True)
     if predicted_comm_s == 0:
         return measured_comm_s > 0
     return abs(measured_comm_s - predicted_comm_s) / predicted_comm_s > threshold
@@ -184,12 +179,10 @@ class Probe:
         if len(set(sizes)) < 2 or not all(_is_msg_bytes(s) for s in sizes):
             raise ValueError(f"sizes must hold at least two distinct ints >= 4 that are multiples of 4, "
                              f"got {sizes!r}")
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+        check_int("repeats", repeats, low=1)
         if not _is_msg_bytes(max_bytes):
             raise ValueError(f"max_bytes must be an int >= 4 that is a multiple of 4, got {max_bytes!r}")
-        if collective not in _PROBED:
-            raise ValueError(f"collective must be one of {_PROBED}, got {collective!r}")
+        check_choice("collective", collective, _PROBED)
         drift(0.0, 0.0, threshold)    # validates threshold
         # Schedule (identical on every rank)
         self.sizes = tuple(sorted(set(sizes)))

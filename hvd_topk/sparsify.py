@@ -1,8 +1,9 @@
 """Pure tensor functions for Top-K sparsification. No Horovod import here (DESIGN.md rule 2)."""
 import math
-import numbers
 
 import torch
+
+from .validate import check_int
 
 __all__ = ["k_for", "topk_indices", "spread_indices", "scatter_dense", "sq_norm_finite"]
 
@@ -86,9 +87,7 @@ def topk_indices(x, k):
     if x.dtype not in _MAGNITUDE_BITS:
         raise ValueError(f"x must have dtype float32, float16, bfloat16 or float64, got {x.dtype}")
     n = x.numel()
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n:
-        raise ValueError(f"k must be an integer in [1, {n}] (x.numel()), got {k!r}")
-    k = int(k)
+    k = check_int("k", k, low=1, high=n)
     x = x.detach()
     if k == n:
         return torch.arange(n, device=x.device)
