@@ -63,3 +63,43 @@ def load_checkpoint(path, model, optimizer):
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return state["extra"]
+
+
+# -- the optimizer's per-rank state, inside ``optimizer.state_dict()['hvd_topk']`` ----------------------
+
+def coordinator_state(c):
+    """This rank's hvd_topk state of one optimizer (a ``StepCoordinator``), between steps: residuals,
+    velocities, the shared index sets, VAR's scores, the schedule and the tuner's decisions."""
+    leaders = c.leaders.state_dict()
+    schedule = c.schedule.state_dict()
+    return {"world_size": mpi_ops.size(), "rank": mpi_ops.rank(), "names": c.names, "selection": c.selection,
+            "step": c.step, "epoch": schedule["epoch"], "residuals": c.residuals.state_dict(),
+            "velocities": c.momentum.state_dict(), "index_sets": c.index_sets.state_dict(),
+            "score": leaders.get("score", 0.0), "scores": leaders.get("scores"),
+            "ratio": schedule["ratio"], "ratio_change": schedule["ratio_change"],
+            "tuner": None if c.tuner is None else c.tuner.state_dict()}
+
+
+def check_loadable(c, state):
+    """ValueError if ``state`` belongs to another world size or model."""
+    if state["world_size"] != mpi_ops.size():
+        raise ValueError(f"checkpoint holds the residuals of {state['world_size']} ranks, this job "
+                         f"has {mpi_ops.size()}; residuals are per rank and cannot be re-split "
+                         "(start the optimizer fresh, or resume with the same number of ranks)")
+    if state["names"] != c.names or state["selection"] != c.selection:
+        raise ValueError("checkpoint was written for a model with other parameters "
+                         f"({len(state['names'])} vs {len(c.names)} named tensors) or another "
+                         f"selection ({state['selection']!r} vs {c.selection!r})")
+
+
+def load_coordinator_state(c, state):
+    """Restore what ``coordinator_state`` returned on this rank."""
+    check_loadable(c, state)
+    c.step = state["step"]
+    c.schedule.load_state_dict(state)
+    c.residuals.load_state_dict(state["residuals"])
+    c.momentum.load_state_dict(state["velocities"])
+    c.index_sets.load_state_dict(state["index_sets"])
+    c.leaders.load_state_dict(state)
+    if c.tuner is not None and state.get("tuner") is not None:
+        c.tuner.load_state_dict(state["tuner"])

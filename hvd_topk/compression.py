@@ -1,36 +1,38 @@
 """TopKEF: Top-K with error feedback as a stock Horovod ``Compressor`` (AR-Topk transport).
 
 Stock Horovod allreduces whatever ``compress`` returns, so the output must be valid to sum across
-ranks. Each rank's own top-k sits at different indices, so TopKEF uses AR-Topk (Tyagi & Swany,
-arXiv 2312.02493): all ranks send their accumulator at one *shared* index set, chosen by a leader
-rank (STAR: round robin), and the k values are allreduced.
+ranks. Each rank's own top-k sits at different indices, so TopKEF uses AR-Topk (``transports.ARTopk``,
+the same class the optimizer uses): all ranks send their accumulator at one *shared* index set, chosen
+by a leader rank (STAR: round robin), and the k values (+ one flag) are allreduced by Horovod.
 
-How the index set is shared without a blocking collective per parameter: see ``comm.IndexPipeline``
+How the index set is shared without a blocking collective per parameter: see ``index_sets.IndexPipeline``
 (one step stale: one asynchronous allgather per step carries every tensor's set; ``sync_indices=True``
-broadcasts inside compress and waits).
+broadcasts inside compress and waits). Which parameter a gradient belongs to: ``gradient_keys``.
 """
 import math
-from typing import NamedTuple, Optional
+from typing import Hashable, NamedTuple, Optional
 
 import torch
-from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
-from .memory import ResidualMemory, SlotSequence
-from .comm import IndexPipeline, finite_flag, flag_raised, star_leader
-from .sparsify import k_for, scatter_dense, sq_norm_finite
+from .gradient_keys import ParameterKeys, SlotSequence
+from .index_sets import IndexPipeline
+from .leaders import StarLeaders
+from .memory import ResidualMemory
+from .sparsify import k_for, sq_norm_finite
+from .transports import ARTopk
 from .validate import check_int, check_number
 
 __all__ = ["TopKEF"]
 
 
 class _Ctx(NamedTuple):
-    """What ``decompress`` needs about one compressed gradient."""
-    dense: bool                       # True: passed through unchanged
-    slot: int = -1
+    """What ``decompress`` needs about one compressed gradient (built by keyword)."""
+    dense: bool                                # True: passed through unchanged
+    key: Optional[Hashable] = None             # parameter name or slot; None: not part of the step
     shape: tuple = ()
-    indices: Optional[torch.Tensor] = None   # shared index set; None when all entries were sent
-    residual: Optional[torch.Tensor] = None  # candidate residual, committed only on a finite step
+    indices: Optional[torch.Tensor] = None     # shared index set; None when all entries were sent
+    residual: Optional[torch.Tensor] = None    # candidate residual, committed only on a finite step
 
 
 class _ClassOrInstance:
@@ -50,7 +52,7 @@ class _ClassOrInstance:
 class TopKEF(Compressor):
     """Top-K sparsification with per-rank error feedback, for stock ``hvd.DistributedOptimizer``.
 
-    Per gradient (slot) and rank: ``acc = grad + residual``; the values of ``acc`` at the shared
+    Per gradient and rank: ``acc = grad + residual``; the values of ``acc`` at the shared
     index set (k = max(1, ceil(ratio * numel)) entries) are allreduced; ``residual = acc`` with those
     entries zeroed. Tensors with fewer than ``min_numel`` elements, and non-floating tensors, pass
     through unchanged (dense).
@@ -65,28 +67,33 @@ class TopKEF(Compressor):
         min_numel: tensors with fewer elements go dense; >= 0.
         sync_indices: share the current step's index set with a blocking broadcast inside compress,
             instead of the default: one step stale, one asynchronous allgather of every set per step.
+        named_parameters: ``model.named_parameters()``, as given to the optimizer: residuals, leaders
+            and index sets are then keyed by parameter name, whatever order Horovod compresses in.
+            Without it they are keyed by position in the step, which must then be the same every step.
 
     Example:
         >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
         ...                                compression=TopKEF)              # ratio 0.01
         >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-        ...                                compression=TopKEF(ratio=0.001))
+        ...                                compression=TopKEF(ratio=0.001,
+        ...                                                   named_parameters=model.named_parameters()))
     """
 
     _instances = 0            # creation counter: names the index collectives identically on all ranks
 
-    def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False):
+    def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None):
         self.ratio = check_number("ratio", ratio, low=0, high=1, low_open=True, what="(fraction of elements kept)")
         self.min_numel = check_int("min_numel", min_numel)
         self.sync_indices = bool(sync_indices)
         # state, per rank
-        self.memory = ResidualMemory()        # slot -> residual
-        self.slots = SlotSequence()           # compress call -> slot, with sequence checks
-        self.steps = {}                       # slot -> steps compressed so far (same on all ranks)
-        self._commits = []                    # (slot, residual) of this step, committed at its end
+        self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
+        self.memory = ResidualMemory()        # key -> residual
+        self.steps = {}                       # key -> steps compressed so far (same on all ranks)
+        self._commits = []                    # (key, residual) of this step, committed at its end
         self._outputs = []                    # this step's decompressed gradients
         self._nonfinite = False               # some gradient of this step was non-finite somewhere
         self.index_sets = IndexPipeline(f"hvd_topk.TopKEF{TopKEF._instances}.indices", sync=sync_indices)
+        self.artopk = ARTopk(self.index_sets, StarLeaders(self.keys.key_index))
         TopKEF._instances += 1
 
     @classmethod
@@ -100,46 +107,40 @@ class TopKEF(Compressor):
     def compress(self, tensor):
         """Horovod contract: ``(tensor_to_allreduce, ctx)``; the first is ``[k values..., flag]``."""
         out = self._compress(tensor)
-        if self.slots.complete and self.slots.position == len(self.slots.signatures):
+        if self.keys.step_complete():
             self.index_sets.flush()            # the step's last gradient: share the next sets now
         return out
 
     def _compress(self, tensor):
         if not tensor.is_floating_point():
             return tensor, _Ctx(dense=True)
-        slot = self.slots.next_slot(tensor)
+        key = self.keys.next_key(tensor)
         if tensor.numel() < self.min_numel:
-            return tensor, _Ctx(dense=True, slot=slot)
-        step = self.steps.get(slot, 0)
-        self.steps[slot] = step + 1
-        acc = self.memory.compensate(slot, tensor)
-        flag = finite_flag(sq_norm_finite(acc)[1], acc)
-        n, k = acc.numel(), k_for(acc.numel(), self.ratio)
-        if k == n:
-            return torch.cat([acc, flag]), _Ctx(False, slot, tuple(tensor.shape), None, None)
-        indices, values = self.index_sets.select(slot, acc, tensor.reshape(-1), k, self._leader(slot, step),
-                                                 k, self._leader(slot, step + 1))
-        acc.index_fill_(0, indices, 0)
-        return torch.cat([values, flag]), _Ctx(False, slot, tuple(tensor.shape), indices, acc)
+            return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
+        step = self.steps.get(key, 0)
+        self.steps[key] = step + 1
+        acc = self.memory.compensate(key, tensor)
+        k = k_for(acc.numel(), self.ratio)
+        buf, indices, _ = self.artopk.pack(key, acc, k, sq_norm_finite(acc)[1], tensor.reshape(-1), step, k)
+        residual = None if indices is None else acc.index_fill_(0, indices, 0)
+        return buf, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), indices=indices, residual=residual)
 
     @_ClassOrInstance
     def decompress(self, tensor, ctx):
         """Horovod contract: the dense aggregated gradient. The step's residuals are committed when
         its last gradient is decompressed, and only if every gradient was finite on every rank."""
-        if ctx.dense and ctx.slot < 0:                     # non-floating: not part of the step
+        if ctx.dense and ctx.key is None:                  # non-floating: not part of the step
             return tensor
-        self.slots.finish_one()
+        self.keys.finish_one()
         if ctx.dense:
             out = tensor
             finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
         else:
-            values, flag = tensor[:-1], tensor[-1]
-            finite = not flag_raised(flag)
-            if ctx.indices is None:
-                out = values.reshape(ctx.shape)
-            else:
-                out = scatter_dense(values, ctx.indices, math.prod(ctx.shape)).reshape(ctx.shape)
-            self._commits.append((ctx.slot, ctx.residual))
+            out = ARTopk.unpack(tensor, ctx.indices, math.prod(ctx.shape), tensor.dtype)
+            finite = out is not None
+            if finite:
+                out = out.reshape(ctx.shape)
+            self._commits.append((ctx.key, ctx.residual))
         if not finite and not self._nonfinite:
             self._nonfinite = True
             for earlier in self._outputs:      # Horovod set_() them into p.grad: NaN them there
@@ -147,7 +148,7 @@ class TopKEF(Compressor):
         if self._nonfinite:
             out = torch.full(ctx.shape, float("nan"), dtype=tensor.dtype, device=tensor.device)
         self._outputs.append(out)
-        if self.slots.pending == 0:            # Horovod compresses all before it decompresses any
+        if self.keys.pending == 0:             # Horovod compresses all before it decompresses any
             self._end_step()
         return out
 
@@ -156,26 +157,21 @@ class TopKEF(Compressor):
         sharing the next step's index sets if the last compress did not (the first step)."""
         self.index_sets.flush()
         if not self._nonfinite:
-            for slot, residual in self._commits:
-                self.memory.update(slot, residual)
+            for key, residual in self._commits:
+                self.memory.update(key, residual)
         self._commits, self._outputs, self._nonfinite = [], [], False
-
-    def _leader(self, slot, step):
-        return star_leader(slot, step, mpi_ops.size())
 
     # -- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
-        return {"ratio": self.ratio, "signatures": list(self.slots.signatures),
+        return {"ratio": self.ratio, "signatures": list(getattr(self.keys, "signatures", [])),
                 "residuals": self.memory.state_dict(), "steps": dict(self.steps),
                 "next_indices": self.index_sets.state_dict()}
 
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on this rank."""
-        self.slots = SlotSequence()
-        self.slots.signatures = list(state["signatures"])
-        self.slots.complete = bool(self.slots.signatures)
+        self.keys.restore(state["signatures"])
         self.memory.load_state_dict(state["residuals"])
         self.steps = dict(state["steps"])
         self.index_sets.load_state_dict(state["next_indices"])

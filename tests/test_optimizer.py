@@ -104,10 +104,10 @@ def test_momentum_correction_moves_momentum_out_of_the_inner_optimizer(hvd):
     opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters())
     group = opt.param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.0, False, 0.0)
-    assert opt._hvd_topk.momentum["weight"] == (0.9, 0.0, True, 1e-4)
+    assert opt._hvd_topk.momentum.settings["weight"] == (0.9, 0.0, True, 1e-4)
     adam = hvd_topk.DistributedOptimizer(torch.optim.Adam(model.parameters()),
                                          named_parameters=model.named_parameters())
-    assert adam._hvd_topk.momentum == {}
+    assert adam._hvd_topk.momentum.settings == {}
 
 
 def test_warmup_schedule_is_dgc_exponential(hvd):

@@ -38,7 +38,7 @@ def test_momentum_stays_in_the_local_optimizer(hvd):
     opt = make(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
                compress="update")
     assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["weight_decay"] == 1e-4
-    assert opt._hvd_topk.momentum == {}
+    assert opt._hvd_topk.momentum.settings == {}
 
 
 def _optimizer(kind, params):

@@ -129,7 +129,7 @@ for step in range(start, args.steps):
     before = {n: q.detach().clone() for n, q in model.named_parameters()}
     if args.mode == "hvd_topk":
         snapshot = {k: None if v is None else v.clone() for k, v in opt._hvd_topk.residuals.residuals.items()}
-        snapshot.update({("u", k): v.clone() for k, v in opt._hvd_topk.velocities.items()})
+        snapshot.update({("u", k): v.clone() for k, v in opt._hvd_topk.momentum.velocities.items()})
         snapshot.update(inner_state(opt))
     if scaler is not None:
         opt.synchronize()
@@ -140,7 +140,7 @@ for step in range(start, args.steps):
         opt.step()
     if step == args.overflow_step:
         now = {k: None if v is None else v.clone() for k, v in opt._hvd_topk.residuals.residuals.items()}
-        now.update({("u", k): v.clone() for k, v in opt._hvd_topk.velocities.items()})
+        now.update({("u", k): v.clone() for k, v in opt._hvd_topk.momentum.velocities.items()})
         now.update(inner_state(opt))
         skipped.append({
             "params_unchanged": all(torch.equal(before[n], q) for n, q in model.named_parameters()),

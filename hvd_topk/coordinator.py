@@ -1,0 +1,174 @@
+"""The step coordinator of ``hvd_topk.DistributedOptimizer``: one synchronized step, on every rank.
+
+1. ``submit(p, name)`` (Horovod's backward hook; with compress='update', ``step()``): the gradient,
+   unscaled and clipped, corrected for momentum (``dgc``), goes with its residual to its transport:
+   ``Dense`` for tensors never compressed and at density 1, else the configured (or auto-chosen) sparse
+   transport, or into the global bucket. It returns ``done``, which Horovod's ``synchronize`` calls.
+2. The step's last compressed tensor starts sharing AR-Topk's next index sets, in the same Horovod
+   cycle as the values (after ``synchronize`` would be a cycle later).
+3. ``done()`` waits for the transport and hands back the aggregate as the gradient; the new residual
+   (acc with the sent entries zeroed) and velocity are queued.
+4. ``end_step()`` commits what was queued only if every rank was finite (read from aggregated values, so
+   the decision is the same everywhere), advances the step and the schedule, and lets the tuner and the
+   VAR leaders act. Everything a decision reads is identical on all ranks.
+"""
+import math
+import time
+from typing import NamedTuple, Optional
+
+import torch
+
+from .bucket import GLOBAL_KEY
+from .dgc import clip_local
+from .sparsify import sq_norm_finite
+
+__all__ = ["StepConfig", "StepUnits", "StepCoordinator"]
+
+
+class StepConfig(NamedTuple):
+    """What the user chose (validated by ``hvd_topk.DistributedOptimizer``)."""
+    communication: str                    # 'artopk', 'allgather', 'dense' or 'auto'
+    selection: str                        # 'layerwise' or 'global'
+    compress: str                         # 'gradient' or 'update'
+    local_momentum: bool                  # compress='update': keep the optimizer's momentum when sparse
+    min_numel: int                        # smaller tensors are never compressed
+    clip_grad_norm: Optional[float]       # DGC local clipping, or None
+    grad_scaler: object                   # torch.amp.GradScaler in use, or None
+
+
+class StepUnits(NamedTuple):
+    """The units one step coordinates; every one keeps its own state."""
+    schedule: object                      # DensitySchedule: density per step, the ratio
+    tuner: object                         # AutoTuner, or None (fixed transport and ratio)
+    residuals: object                     # ResidualMemory: this rank's residual per key
+    momentum: object                      # MomentumCorrection: this rank's velocities
+    leaders: object                       # StarLeaders or VarLeaders (AR-Topk)
+    index_sets: object                    # IndexPipeline (AR-Topk)
+    collectives: object                   # Collectives: Horovod's collectives, grouped or not
+    transports: dict                      # 'artopk', 'allgather', 'dense' (density 1), 'plain' (never compressed)
+    bucket: object                        # GlobalBucket (selection='global')
+    stats: object                         # StepStats
+
+
+class StepCoordinator:
+    """One optimizer's step, on one rank: ``config`` (``StepConfig``) and ``units`` (``StepUnits``) are
+    kept as flat attributes (``self.selection``, ``self.residuals``, ...)."""
+
+    def __init__(self, config, units):
+        self.__dict__.update(config._asdict(), **units._asdict())
+        self.clock = time.perf_counter        # the tuner's step clock (tests give ranks other clocks)
+        self.sparse_numels = {}               # key -> numel of every compressed tensor (or the bucket)
+        self.step = 0                         # synchronized steps, identical on all ranks
+        self.commits = []                     # state updates of this step, applied if it is finite
+        self.sent_keys = set()                # sparse keys submitted this step (layer-wise selection)
+        self.nonfinite = False                # some gradient of this step was non-finite somewhere
+        self.last_end = None                  # clock() at the end of the previous step
+
+    # what the tuner reads (``AutoTuner.end_step``)
+    ratio = property(lambda self: self.schedule.ratio)
+    density = property(lambda self: self.schedule.density)
+    density_with = property(lambda self: self.schedule.density_with)
+
+    def is_sparse(self, p):
+        """Whether p's gradient is compressed (else a plain allreduce in its own dtype)."""
+        return not (self.communication == "dense" or p.dim() <= 1 or p.numel() < self.min_numel
+                    or not p.is_floating_point())
+
+    def submit(self, p, name, update=None):
+        """Start the transport of p's gradient (or of ``update``, this rank's change of p, sent as it
+        is); returns ``done() -> aggregated gradient``."""
+        if update is not None:
+            g = update.reshape(-1)
+        else:
+            g = p.grad.reshape(-1)
+            if self.grad_scaler is not None:
+                g = g * (1.0 / self.grad_scaler.get_scale())
+            g = clip_local(g, self.clip_grad_norm)
+        g, u_new = self.momentum.correct(name, g, p)
+        if not self.is_sparse(p):
+            started = self.transports["plain"].start(name, g)
+            self.stats.add_sent(started.nbytes, 0.0, 0.0, dense=True)
+            return lambda: self._hand_out(name, p, started.finish().aggregate, None, u_new)
+        if self.selection == "global":
+            self.bucket.add(name, p, g, u_new)
+            return lambda: self._hand_out(name, *self.bucket.output(name, self._send_bucket))
+        pending = self._start(name, g)
+        self.sent_keys.add(name)
+        if len(self.sent_keys) == len(self.sparse_numels):
+            self.index_sets.flush()           # the step's last compressed tensor (step 2)
+        return lambda: self._hand_out(name, p, *self._finish(name, pending), u_new)
+
+    def _start(self, key, g):
+        """Start sending the flat accumulator acc = g + residual of ``key``; returns (acc, finish)."""
+        t0 = time.perf_counter()
+        n = g.numel()
+        k, k_next = self.schedule.k(n, self.step), self.schedule.k(n, self.step + 1)
+        mode = self.communication
+        gains = self.tuner is not None and self.tuner.wants_gains(self.step)
+        if self.tuner is not None:
+            mode = self.tuner.mode(key, mode)
+            if mode == "dense":               # everything: the residual is flushed
+                k = n
+        if k == n and not gains:              # density 1 (dense steps, ratio 1.0, auto's dense plan)
+            acc = self.residuals.compensate(key, g, copy=False)
+            started = self.transports["dense"].start(key, acc)
+            self.stats.add_sent(started.nbytes, 0.0, 0.0, dense=True)
+            return acc, started.finish
+        acc = self.residuals.compensate(key, g)
+        acc_sq, finite = sq_norm_finite(acc)
+        self.leaders.observe(acc_sq if math.isfinite(acc_sq) else 0.0)
+        if gains and finite:
+            self.tuner.observe_acc(acc)
+        # a density-1 step that still feeds the gains goes as AR-Topk of everything (values + flag)
+        transport = self.transports["allgather" if mode == "allgather" and k < n else "artopk"]
+        started = transport.start(key, acc, k, finite, grad=g, step=self.step, k_next=k_next)
+        self.stats.add_sent(started.nbytes, started.sent_sq, acc_sq, select_s=time.perf_counter() - t0)
+        return acc, started.finish
+
+    def _finish(self, key, pending):
+        """(aggregate or None, sent indices or None) of a started transport; queues the new residual."""
+        acc, finish = pending
+        out = finish()
+        if out.aggregate is not None:
+            residual = None if out.sent is None else acc.index_fill_(0, out.sent, 0)
+            self.commits.append(lambda: self.residuals.update(key, residual))
+        return out.aggregate, out.sent
+
+    def _send_bucket(self, flat):
+        return self._finish(GLOBAL_KEY, self._start(GLOBAL_KEY, flat))
+
+    def _hand_out(self, name, p, aggregate, sent, u_new):
+        """The aggregate as p's gradient (NaN everywhere if some rank was non-finite); queues the velocity."""
+        if aggregate is None:
+            self.nonfinite = True             # the whole step is skipped (end_step)
+            return torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
+        self.commits.append(lambda: self.momentum.commit(name, u_new, sent))
+        out = aggregate.to(p.dtype)
+        if self.grad_scaler is not None:      # hand the scaler gradients in its scaled units
+            out = out * self.grad_scaler.get_scale()
+        return out.reshape(p.shape)
+
+    def end_step(self, comm_s):
+        """After every parameter is synchronized: commit the step if it was finite everywhere, advance
+        it, let the tuner decide (collective) and VAR share its score. Returns True if non-finite."""
+        self.index_sets.flush()               # the index sets, unless shared at the last submit
+        self.sent_keys = set()
+        self.collectives.end_step()
+        nonfinite = self.nonfinite
+        if not nonfinite:
+            for commit in self.commits:
+                commit()
+        self.commits, self.nonfinite = [], False
+        self.stats.skipped = nonfinite
+        self.stats.end_step(density=self.schedule.density(self.step), comm_s=comm_s)
+        now = self.clock()
+        # from the last dense step on (the probe then plans for the density that follows)
+        if self.tuner is not None and self.step + 1 >= self.schedule.dense_steps:
+            step_s = 0.0 if self.last_end is None else now - self.last_end
+            self.schedule.change_ratio(self.tuner.end_step(self, self.step, step_s, comm_s))
+            now = self.clock()                # a probe's time is not the next step's
+        self.last_end = now
+        self.step += 1
+        self.schedule.advance(self.step)
+        self.leaders.end_step()
+        return nonfinite

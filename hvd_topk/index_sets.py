@@ -1,0 +1,118 @@
+"""AR-Topk's shared index sets, identical on every rank.
+
+By default the leader of step t+1 picks its set during step t ("one step stale"), and at the end of
+step t one asynchronous allgather carries every tensor's set (each rank contributes the sets it leads),
+so the backward pass never waits on a collective per tensor, and a step costs one index collective, not
+one per tensor (Horovod neither fuses broadcasts nor keeps them in its response cache: each one is
+negotiated).
+"""
+import torch
+from horovod.torch import mpi_ops
+
+from .sparsify import spread_indices, topk_indices
+
+__all__ = ["IndexPipeline"]
+
+
+class IndexPipeline:
+    """Shared AR-Topk index sets, per key (tensor), identical on every rank.
+
+    Default (one step stale): ``select`` sends the values at the set shared during the previous step
+    and, on the next step's leader, picks the next set; ``flush`` (called on every rank once the step's
+    last ``select`` is done) starts one allgather with every set of the step: rank r contributes the
+    sets it leads, in key order, and every rank splits the result by the (key, k, leader) plan, which
+    is identical on all ranks. The next step's first ``select`` waits for it (long finished by then).
+
+    Args:
+        name: prefix of the Horovod collective names (must be identical on all ranks).
+        sync: broadcast the current step's index set inside ``select`` and wait for it, instead.
+    """
+
+    def __init__(self, name, sync=False):
+        self.name = name
+        self.sync = sync
+        self.outgoing = {}         # key -> (k, leader, int32 set or None): picked this step, not yet sent
+        self.in_flight = None      # (allgather handle, [(key, k, leader)]) of the last flush
+        self.ready = {}            # key -> int32 index set for the next step
+
+    def current(self, key, acc, k, leader):
+        """The int64 index set every rank uses for ``key`` now; ``leader`` picks it if ``sync``."""
+        if self.sync:
+            buf = (topk_indices(acc, k).to(torch.int32) if mpi_ops.rank() == leader
+                   else torch.empty(k, dtype=torch.int32, device=acc.device))
+            if mpi_ops.size() > 1:
+                mpi_ops.broadcast_(buf, root_rank=leader, name=f"{self.name}.{key}")
+            return buf.long()
+        self._receive()
+        buf = self.ready.pop(key, None)
+        if buf is None or buf.numel() != k:    # first step, or k changed: any shared set is valid
+            return spread_indices(acc.numel(), k, device=acc.device)
+        return buf.long()
+
+    def select(self, key, acc, grad, k, leader, k_next, next_leader):
+        """(indices, values) every rank sends for ``key`` now; picks the next step's set for ``flush``.
+
+        ``leader`` picks the set if ``sync``; ``next_leader`` picks the next one (k_next entries)."""
+        indices = self.current(key, acc, k, leader)
+        values = acc.index_select(0, indices)
+        if k_next < acc.numel():
+            self.launch_next(key, acc, grad, indices, k_next, next_leader)
+        return indices, values
+
+    def launch_next(self, key, acc, grad, indices, k, leader):
+        """Leader of the next step picks top-k of (acc minus what is sent now, plus this gradient);
+        the set leaves with the step's ``flush``.
+
+        ``acc`` still holds the values being sent at ``indices``; it is returned unchanged."""
+        if self.sync:
+            return
+        buf = None
+        if mpi_ops.rank() == leader:
+            sent = acc.index_select(0, indices)
+            acc.index_copy_(0, indices, grad.index_select(0, indices))   # predicts acc of next step
+            buf = topk_indices(acc, k).to(torch.int32)
+            acc.index_copy_(0, indices, sent)
+        self.outgoing[key] = (k, leader, buf)
+
+    def flush(self):
+        """Start sharing the sets picked this step: one asynchronous allgather. Collective: every rank
+        calls it at the same point of the step, with the same keys picked."""
+        if not self.outgoing:
+            return
+        self._receive()                         # a set nobody picked up: its step went dense
+        plan = [(key,) + self.outgoing[key][:2] for key in sorted(self.outgoing)]
+        mine = [self.outgoing[key][2] for key, _, leader in plan if leader == mpi_ops.rank()]
+        self.outgoing = {}
+        if mpi_ops.size() == 1:
+            self.ready = {key: buf for (key, _, _), buf in zip(plan, mine)}
+            return
+        device = mine[0].device if mine else torch.device("cpu")
+        block = torch.cat(mine) if mine else torch.empty(0, dtype=torch.int32, device=device)
+        self.in_flight = (mpi_ops.allgather_async(block.reshape(-1, 1), name=f"{self.name}.sets"), plan)
+
+    def _receive(self):
+        """Wait for the last flush's allgather and split it into ``ready`` by its plan."""
+        if self.in_flight is None:
+            return
+        handle, plan = self.in_flight
+        self.in_flight = None
+        gathered = mpi_ops.synchronize(handle).reshape(-1)
+        self.ready, offset = {}, 0
+        for rank in range(mpi_ops.size()):      # rank r's block: the sets it leads, in key order
+            for key, k, leader in plan:
+                if leader == rank:
+                    self.ready[key] = gathered[offset:offset + k]
+                    offset += k
+
+    def state_dict(self):
+        """The sets shared for the next step (waits for the allgather in flight); call it after the
+        step's ``flush``."""
+        if self.outgoing:
+            raise RuntimeError("IndexPipeline.state_dict() during a step: the sets picked in it are not "
+                               "shared yet (call it between steps)")
+        self._receive()
+        return {key: buf.clone() for key, buf in self.ready.items()}
+
+    def load_state_dict(self, state):
+        self.outgoing, self.in_flight = {}, None
+        self.ready = {key: buf.clone() for key, buf in state.items()}

@@ -1,0 +1,59 @@
+"""The density schedule: what fraction of each compressed tensor a step sends.
+
+Density 1 for the first ``dense_steps`` steps (a plain allreduce: dense Horovod); then DGC's warm-up,
+``ratio ** ((t + 1) / (W + 1))`` for the first W steps after them (or per epoch, for the first W epochs);
+then ``ratio``. The adaptive ratio moves ``ratio`` through ``change_ratio``: a new ratio takes effect two
+steps after the decision, so the AR-Topk index set prepared one step ahead already has the new size.
+Identical on every rank: it depends only on step and epoch counters every rank shares.
+"""
+from .sparsify import k_for
+
+__all__ = ["DensitySchedule"]
+
+
+class DensitySchedule:
+    """Density per step; ``ratio`` is the target fraction kept, in (0, 1]."""
+
+    def __init__(self, ratio, dense_steps=0, warmup_steps=0, warmup_epochs=0):
+        self.ratio = ratio                    # moved by the adaptive ratio (identical on all ranks)
+        self.ratio_change = None              # (first step, ratio): a decided change not yet in effect
+        self.dense_steps = dense_steps        # the first steps send everything
+        self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
+        self.epoch = 0                        # set by the optimizer's set_epoch()
+
+    def density(self, step):
+        """Density of ``step``, with the ratio in effect at that step."""
+        ratio = self.ratio_change[1] if self.ratio_change and step >= self.ratio_change[0] else self.ratio
+        return self.density_with(ratio, step)
+
+    def density_with(self, ratio, step):
+        """Density of ``step`` if ``ratio`` were the target (the adaptive ratio weighs candidates)."""
+        if step < self.dense_steps:
+            return 1.0
+        if self.warmup_epochs and self.epoch < self.warmup_epochs:
+            return ratio ** ((self.epoch + 1) / (self.warmup_epochs + 1))
+        if step - self.dense_steps < self.warmup_steps:
+            return ratio ** ((step - self.dense_steps + 1) / (self.warmup_steps + 1))
+        return ratio
+
+    def k(self, numel, step):
+        """Entries a tensor of ``numel`` elements sends at ``step``."""
+        return k_for(numel, self.density(step))
+
+    def change_ratio(self, change):
+        """Schedule ``change`` = (first step, ratio), or nothing if None."""
+        if change is not None:
+            self.ratio_change = change
+
+    def advance(self, next_step):
+        """The step counter moved to ``next_step``: a scheduled ratio takes effect."""
+        if self.ratio_change is not None and next_step >= self.ratio_change[0]:
+            self.ratio, self.ratio_change = self.ratio_change[1], None
+
+    def state_dict(self):
+        return {"ratio": self.ratio, "ratio_change": self.ratio_change, "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.ratio = state.get("ratio", self.ratio)
+        self.ratio_change = state.get("ratio_change")
+        self.epoch = state["epoch"]
