@@ -26,6 +26,11 @@ from .validate import check_int, check_number
 __all__ = ["TopKEF"]
 
 
+_MISMATCH_HINT = ("without named_parameters TopKEF matches gradients by their position in the step, and the "
+                  "ranks' orders differ (a parameter unused on some rank, two optimizers, a changed model); "
+                  "use TopKEF(ratio, named_parameters=model.named_parameters())")
+
+
 class _Ctx(NamedTuple):
     """What ``decompress`` needs about one compressed gradient (built by keyword)."""
     dense: bool                                # True: passed through unchanged
@@ -92,7 +97,8 @@ class TopKEF(Compressor):
         self._commits = []                    # (key, residual) of this step, committed at its end
         self._outputs = []                    # this step's decompressed gradients
         self._nonfinite = False               # some gradient of this step was non-finite somewhere
-        self.index_sets = IndexPipeline(f"hvd_topk.TopKEF{TopKEF._instances}.indices", sync=sync_indices)
+        self.index_sets = IndexPipeline(f"hvd_topk.TopKEF{TopKEF._instances}.indices", sync=sync_indices,
+                                        mismatch_hint=_MISMATCH_HINT if named_parameters is None else "")
         self.artopk = ARTopk(self.index_sets, StarLeaders(self.keys.key_index))
         TopKEF._instances += 1
 

@@ -6,12 +6,20 @@ so the backward pass never waits on a collective per tensor, and a step costs on
 one per tensor (Horovod neither fuses broadcasts nor keeps them in its response cache: each one is
 negotiated).
 """
+import zlib
+
 import torch
 from horovod.torch import mpi_ops
 
 from .sparsify import spread_indices, topk_indices
 
-__all__ = ["IndexPipeline"]
+__all__ = ["IndexPipeline", "PLAN_HEADER"]
+
+# Every rank's block of the allgather starts with [number of index entries, fingerprint of its plan]:
+# blocks of any length can be split, and every rank sees whether all ranks meant the same (key, k,
+# leader) plan. If not (ranks keyed their tensors differently), every rank raises the same error
+# instead of applying a set to the wrong tensor or waiting forever.
+PLAN_HEADER = 2
 
 
 class IndexPipeline:
@@ -28,9 +36,10 @@ class IndexPipeline:
         sync: broadcast the current step's index set inside ``select`` and wait for it, instead.
     """
 
-    def __init__(self, name, sync=False):
+    def __init__(self, name, sync=False, mismatch_hint=""):
         self.name = name
         self.sync = sync
+        self.mismatch_hint = mismatch_hint     # what to do when the ranks' plans differ
         self.outgoing = {}         # key -> (k, leader, int32 set or None): picked this step, not yet sent
         self.in_flight = None      # (allgather handle, [(key, k, leader)]) of the last flush
         self.ready = {}            # key -> int32 index set for the next step
@@ -87,7 +96,10 @@ class IndexPipeline:
             self.ready = {key: buf for (key, _, _), buf in zip(plan, mine)}
             return
         device = mine[0].device if mine else torch.device("cpu")
-        block = torch.cat(mine) if mine else torch.empty(0, dtype=torch.int32, device=device)
+        sets = torch.cat(mine) if mine else torch.empty(0, dtype=torch.int32, device=device)
+        header = torch.tensor([sets.numel(), zlib.crc32(repr(plan).encode()) & 0x7FFFFFFF], dtype=torch.int32,
+                              device=device)
+        block = torch.cat([header, sets])
         self.in_flight = (mpi_ops.allgather_async(block.reshape(-1, 1), name=f"{self.name}.sets"), plan)
 
     def _receive(self):
@@ -97,11 +109,22 @@ class IndexPipeline:
         handle, plan = self.in_flight
         self.in_flight = None
         gathered = mpi_ops.synchronize(handle).reshape(-1)
-        self.ready, offset = {}, 0
-        for rank in range(mpi_ops.size()):      # rank r's block: the sets it leads, in key order
+        blocks, offset = [], 0
+        for _ in range(mpi_ops.size()):
+            length, fingerprint = int(gathered[offset]), int(gathered[offset + 1])
+            blocks.append((fingerprint, gathered[offset + PLAN_HEADER:offset + PLAN_HEADER + length]))
+            offset += PLAN_HEADER + length
+        differ = [r for r, (fingerprint, _) in enumerate(blocks) if fingerprint != blocks[0][0]]
+        if differ:
+            hint = self.mismatch_hint or "the ranks must give their tensors the same keys"
+            raise ValueError(f"hvd_topk: rank(s) {differ} shared AR-Topk index sets for other tensors than rank "
+                             f"0 did ({len(plan)} sets on this rank); {hint}")
+        self.ready = {}
+        for rank, (_, sets) in enumerate(blocks):   # rank r's block: the sets it leads, in key order
+            offset = 0
             for key, k, leader in plan:
                 if leader == rank:
-                    self.ready[key] = gathered[offset:offset + k]
+                    self.ready[key] = sets[offset:offset + k]
                     offset += k
 
     def state_dict(self):

@@ -1,4 +1,6 @@
 """Real multi-rank jobs (horovodrun --gloo, mpirun) with TopKEF in stock hvd.DistributedOptimizer."""
+import time
+
 import pytest
 import torch
 
@@ -89,3 +91,27 @@ def test_one_allgather_per_step_gives_every_rank_each_leaders_index_set(run_rank
         assert all(c["equal"] for c in res["checks"]), [c for c in res["checks"] if not c["equal"]]
         assert {c["leader"] for c in res["checks"]} == {0, 1, 2, 3}
         assert res["state_keys"] == ["a", "b", "c"]
+
+
+def test_named_topkef_holds_when_ranks_use_different_parameters(run_ranks):
+    """Rank 1 uses fc3, rank 0 does not (Horovod allreduces rank 0's fc3 at synchronize(), out of hook
+    order). TopKEF keyed by parameter name: ratio 1.0 gives dense Horovod's parameters, and at 0.1 the
+    ranks stay identical."""
+    dense = run_ranks(2, "uneven_params.py", "--compression", "none")
+    exact = run_ranks(2, "uneven_params.py", "--compression", "named", "--ratio", "1.0")
+    for name, value in dense[0]["params"].items():
+        assert torch.equal(exact[0]["params"][name], value), f"{name} differs from dense Horovod"
+    assert_identical_across_ranks(run_ranks(2, "uneven_params.py", "--compression", "named", "--ratio", "0.1"))
+
+
+@pytest.mark.parametrize("form", ["positional", "class"])
+def test_positional_topkef_refuses_ranks_that_order_gradients_differently(run_ranks, form):
+    """Without names, TopKEF keys gradients by position; the ranks' orders differ here, so every rank
+    raises, naming the fix, within seconds (it used to hang until killed)."""
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed) as failed:
+        run_ranks(2, "uneven_params.py", "--compression", form, timeout=90)
+    assert time.monotonic() - t0 < 60
+    for rank in (0, 1):
+        lines = [line for line in failed.value.output.splitlines() if line.startswith(f"[{rank}]")]
+        assert any("named_parameters=model.named_parameters()" in line for line in lines), f"rank {rank}"
