@@ -195,6 +195,9 @@ class AutoTuner(_CollectiveSteps):
         probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
     """
 
+    # what a checkpoint holds besides plan, costs, history and trial (plain data)
+    _CHECKPOINTED = ("calibration", "last_probe_check", "drift_sign", "step_times", "comm_times", "gain_sums")
+
     def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=4, trial_rounds=5,
                  threshold=0.5, probe=None, trial_margin=TRIAL_MARGIN, trial_max_rounds=21):
         check_int("trial_steps", trial_steps, low=2)
@@ -270,10 +273,21 @@ class AutoTuner(_CollectiveSteps):
     # -- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self):
-        return {"plan": dict(self.plan), "costs": None if self.costs is None else tuple(self.costs),
-                "history": list(self.history)}
+        """Everything agreed and measured so far, a trial under way included, as plain data."""
+        state = {"plan": dict(self.plan), "costs": None if self.costs is None else tuple(self.costs),
+                 "history": list(self.history), "trial": trials.to_dict(self.trial)}
+        for key in self._CHECKPOINTED:
+            value = getattr(self, key)
+            state[key] = list(value) if isinstance(value, list) else value
+        return state
 
     def load_state_dict(self, state):
+        """Continue from ``state_dict()``; an older checkpoint (plan, costs, history) restores those."""
         self.plan = dict(state["plan"])
         self.costs = None if state["costs"] is None else Costs(*state["costs"])
         self.history = list(state["history"])
+        if "trial" in state:
+            self.trial = trials.from_dict(state["trial"])
+            for key in self._CHECKPOINTED:
+                value = state[key]
+                setattr(self, key, list(value) if isinstance(value, list) else value)

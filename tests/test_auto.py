@@ -1,5 +1,6 @@
 """communication='auto' and the adaptive ratio: pure decisions, bad input, and real 3-rank jobs."""
 import math
+import pickle
 import random
 import subprocess
 import sys
@@ -316,6 +317,90 @@ def test_ratio_check_arithmetic():
     for c, d in densities.items():
         assert model[c] == max(0.0, 0.5 - 0.2 + plan_seconds(numels, plan_transports(numels, d, 4, SLOW), d, 4, SLOW))
     assert recheck.ratio_step_seconds(0.0, 10.0, numels, densities, 4, SLOW)[0.01] == 0.0   # never < 0
+
+
+# -- a checkpoint taken during a trial ---------------------------------------------------------------
+
+class Solo:
+    """One rank and no Horovod: the tuner's world, agreeing with itself."""
+
+    @staticmethod
+    def agree(values, name):
+        return [float(v) for v in values]
+
+    @staticmethod
+    def size():
+        return 1
+
+    @staticmethod
+    def rank():
+        return 0
+
+
+TRIAL_KW = dict(trial_steps=3, trial_rounds=4, trial_max_rounds=12)
+_RNG = random.Random(5)
+NOISE = [_RNG.uniform(-0.2, 0.2) for _ in range(400)]
+
+
+def scripted(step, mode):
+    """Step times of a noisy host: dense leaves after the fewest rounds (step 36), the two sparse plans
+    take turns until step 66."""
+    return {"artopk": 0.100, "allgather": 0.104, "dense": 0.140}[mode] * (1 + NOISE[step])
+
+
+def solo_tuner():
+    tuner = AutoTuner(True, None, **TRIAL_KW)
+    tuner.world = Solo()
+    return tuner
+
+
+def feed(tuner, steps):
+    """The plan of every step of ``steps`` and the tuner's answers, fed the scripted times."""
+    seen = []
+    for step in steps:
+        seen.append(dict(tuner.plan))
+        assert tuner.end_step(State, step, scripted(step, tuner.plan["w"]), 0.01) is None
+    return seen
+
+
+def mid_trial(stop):
+    tuner = solo_tuner()
+    tuner.costs = SLOW
+    tuner.start_trial(ARMS)
+    feed(tuner, range(1, stop))
+    assert tuner.trial is not None
+    return tuner
+
+
+# in the first round, at a round's start, mid-turn, just after dense left, in the last turn
+@pytest.mark.parametrize("stop", [2, 10, 14, 28, 37, 50, 66])
+def test_checkpoint_mid_trial_continues_the_trial(stop):
+    """A tuner checkpointed during a trial and loaded into a fresh one takes the plans the tuner that
+    went on would have, and ends the trial with the same verdict at the same step."""
+    ref = mid_trial(1)
+    plans = feed(ref, range(1, 120))
+    assert ref.trial is None and ref.history == [(66, 0.01, {"dense": 0, "artopk": 1, "allgather": 0}, (
+        "trial, 8 counted rounds: all artopk 97.0 ms/step, all allgather 100.2 ms/step, "
+        "all dense 133.0 ms/step (out after 3); kept all artopk"))]
+    saved = pickle.loads(pickle.dumps(mid_trial(stop).state_dict()))    # plain data
+    resumed = solo_tuner()
+    resumed.load_state_dict(saved)
+    assert feed(resumed, range(stop, 120)) == plans[stop - 1:]
+    assert (resumed.plan, resumed.history, resumed.trial) == (ref.plan, ref.history, ref.trial)
+    assert resumed.state_dict() == ref.state_dict()
+
+
+def test_old_checkpoint_loads_without_its_trial():
+    """A checkpoint of plan, costs and history only (the format before trials were saved) loads as it
+    did: the plan on its turn stays, as if chosen, and the trial is not continued."""
+    tuner = mid_trial(23)
+    old = {k: tuner.state_dict()[k] for k in ("plan", "costs", "history")}
+    resumed = solo_tuner()
+    resumed.load_state_dict(old)
+    assert (resumed.plan, resumed.costs, resumed.trial) == (tuner.plan, SLOW, None)
+    ref = mid_trial(1)
+    plans = feed(ref, range(1, 120))
+    assert feed(resumed, range(23, 120)) != plans[22:]
 
 
 def test_topk_energies_match_brute_force():
