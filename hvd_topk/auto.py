@@ -19,7 +19,7 @@ model's plan, and every uniform plan modelled within 4x of it, are then measured
 **Re-deciding.** Every ``every`` steps the ranks agree on the window's step and communication times
 and the compression gains; a drift of the communication time from the model at two checks in a row
 re-runs the probe and the transport choice, and the ratio moves to the candidate of least
-J(c) = T(c) / G(c) ** weight (``hvd_topk.recheck``).
+J(c) = T(c) / G(c) ** weight when that improves J by more than 5% (``hvd_topk.recheck``).
 """
 import logging
 import math

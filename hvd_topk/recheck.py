@@ -5,9 +5,9 @@ Pure functions over plain numbers and dicts; no Horovod, no torch. Every ``every
 decide from the agreed numbers (docs/auto.md).
 
 **Drift.** The measured communication time is compared with the model's prediction, scaled by the
-calibration taken at the first check after the last probe; a drift of more than ``threshold``, the
-same way at two checks in a row (one slow spell of a busy host is not a new network), re-runs the
-probe and the transport choice (at most once per ``REPROBE_CHECKS`` checks).
+calibration taken at the first check after the last probe or change of plan; a drift of more than
+``threshold``, the same way at two checks in a row (one slow spell of a busy host is not a new
+network), re-runs the probe and the transport choice (at most once per ``REPROBE_CHECKS`` checks).
 
 **Adaptive ratio.** The ranks agree on (a) the mean measured step time T and (b) the compression gain
 G(c) = ‖top-k_c(acc)‖² / ‖acc‖² of each candidate ratio c, computed from the accumulators of one step
