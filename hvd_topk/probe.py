@@ -7,8 +7,8 @@ with an allreduce, then rank 0's copy broadcast, so the bits are identical every
 largest size took less than 4x the smallest, the bandwidth term is drowned by latency and noise,
 so sizes x4 larger are added (up to ``max_bytes``), decided on the agreed times. A line
 ``t = a + b·bytes`` is fitted by ordinary least squares, rank 0's fit is broadcast, and the line is
-read through the cost model of the collective used (DESIGN.md section 2, ``M`` the message bytes,
-``N`` the ranks):
+read through the cost model of the collective used (``hvd_topk.costmodel``, docs/auto.md; ``M`` the
+message bytes, ``N`` the ranks):
 
 - ``allreduce`` (ring): t = 2(N−1)α + 2(N−1)/N·Mβ, so  α = a / (2(N−1)),  β = b·N / (2(N−1)).
 - ``broadcast`` (tree): t = α·log2 N + log2 N·Mβ,   so  α = a / log2 N,    β = b / log2 N.
@@ -41,14 +41,29 @@ import torch
 from .comm import agree
 from .validate import check_choice, check_int, check_number
 
-__all__ = ["DEFAULT_SIZES", "ProbeResult", "Probe", "fit_line", "to_alpha_beta", "drift"]
+__all__ = ["DEFAULT_SIZES", "DEFAULT_REPEATS", "DEFAULT_MAX_BYTES", "DEFAULT_THRESHOLD", "ProbeResult", "Probe",
+           "fit_line", "to_alpha_beta", "drift"]
 
 # 4 B .. 4 MiB in steps of x16: six sizes, 0.1-0.4 s in all on an unlimited loopback here (2 busy
 # cores), the x4 extension to 16 MiB included when it happens.
 DEFAULT_SIZES = (4, 64, 1024, 16384, 262144, 4194304)
+# Timed calls per size: the median of 5 shrugs off one or two calls slowed by the host.
+DEFAULT_REPEATS = 5
+# The x4 extension stops here: 16 MiB takes about 1.3 s per call on a 100 Mbit/s link, so the extension
+# cannot stall a slow link for long.
+DEFAULT_MAX_BYTES = 16 << 20
+# ``drift``'s default tolerated relative error (``hvd_topk.auto`` has its own rule: ``hvd_topk.recheck``).
+DEFAULT_THRESHOLD = 0.25
+# Bytes of one element of the probe's messages (float32): sizes must be whole elements.
+_ELEMENT_BYTES = 4
 _PROBED = ("allreduce", "broadcast")
 # The largest message must take this many times the smallest's time, or the slope is noise.
 _MIN_SIGNAL = 4.0
+# Each extension multiplies the largest size by this: finer than the ladder's x16, so the probe stops
+# soon after the signal suffices.
+_EXTENSION = 4
+# Untimed calls before the timed ones of a size: the first call of a name negotiates and allocates.
+_WARMUP_CALLS = 1
 
 
 class ProbeResult(NamedTuple):
@@ -173,8 +188,8 @@ class Probe:
         ...     res = probe.run()
     """
 
-    def __init__(self, sizes=DEFAULT_SIZES, repeats=5, max_bytes=16 << 20, collective="allreduce",
-                 threshold=0.25, name="hvd_topk.probe"):
+    def __init__(self, sizes=DEFAULT_SIZES, repeats=DEFAULT_REPEATS, max_bytes=DEFAULT_MAX_BYTES,
+                 collective="allreduce", threshold=DEFAULT_THRESHOLD, name="hvd_topk.probe"):
         sizes = tuple(sizes)
         if len(set(sizes)) < 2 or not all(_is_msg_bytes(s) for s in sizes):
             raise ValueError(f"sizes must hold at least two distinct ints >= 4 that are multiples of 4, "
@@ -214,8 +229,8 @@ class Probe:
         sizes = list(self.sizes)
         times = self._agree([medians[s] for s in sizes], "times")
         # The extension is decided on agreed times, so every rank takes the same schedule.
-        while times[-1] < _MIN_SIGNAL * times[0] and sizes[-1] * 4 <= self.max_bytes:
-            sizes.append(sizes[-1] * 4)
+        while times[-1] < _MIN_SIGNAL * times[0] and sizes[-1] * _EXTENSION <= self.max_bytes:
+            sizes.append(sizes[-1] * _EXTENSION)
             times += self._agree([self._median_s(sizes[-1])], f"times.{sizes[-1]}")
         a, b = fit_line(sizes, times)
         a, b, wall = self._agree([a, b, time.perf_counter() - start], "fit", average=False)
@@ -239,16 +254,16 @@ class Probe:
         return drift(measured_comm_s, predicted_comm_s, self.threshold)
 
     def _median_s(self, size):
-        """Median seconds of ``repeats`` calls of ``size`` bytes, after one untimed warm-up call."""
-        buf = torch.zeros(size // 4, dtype=torch.float32)
+        """Median seconds of ``repeats`` calls of ``size`` bytes, after the untimed warm-up call."""
+        buf = torch.zeros(size // _ELEMENT_BYTES, dtype=torch.float32)
         times = []
-        for i in range(self.repeats + 1):
+        for i in range(_WARMUP_CALLS + self.repeats):
             t0 = time.perf_counter()
             if self.collective == "allreduce":      # one name per size: Horovod's cache serves repeats
                 hvd.allreduce_(buf, op=hvd.Sum, name=f"{self.name}.allreduce.{size}")
             else:
                 hvd.broadcast_(buf, root_rank=0, name=f"{self.name}.broadcast.{size}")
-            if i:
+            if i >= _WARMUP_CALLS:
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
@@ -259,4 +274,5 @@ class Probe:
 
 def _is_msg_bytes(value):
     """An int >= 4 and a multiple of 4 (whole float32 elements)."""
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 4 and value % 4 == 0
+    return not isinstance(value, bool) and isinstance(value, int) and value >= _ELEMENT_BYTES \
+        and value % _ELEMENT_BYTES == 0

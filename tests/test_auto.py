@@ -1,6 +1,9 @@
 """communication='auto' and the adaptive ratio: pure decisions, bad input, and real 3-rank jobs."""
 import math
+import pickle
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -9,6 +12,7 @@ import torch.nn as nn
 
 import hvd_topk
 from hvd_topk import TopKEF
+from hvd_topk import recheck, trial as trials
 from hvd_topk.auto import AutoTuner, Costs, choose_ratio, plan_seconds, plan_transports, tensor_seconds, trial_plans
 from hvd_topk.sparsify import topk_energies
 
@@ -156,7 +160,7 @@ def test_trial_does_not_count_the_first_round(hvd):
 
 def test_trial_settings_are_checked():
     for kw in ({"trial_steps": 1}, {"trial_rounds": 2}, {"trial_rounds": 5, "trial_max_rounds": 4}):
-        with pytest.raises(ValueError, match="trial_steps must be >= 2, trial_rounds >= 3"):
+        with pytest.raises(ValueError, match=r"trial_(steps|rounds|max_rounds) must be an integer >= "):
             AutoTuner(True, None, **kw)
 
 
@@ -221,6 +225,182 @@ def test_choose_ratio_objective_and_hysteresis():
     assert choose_ratio(0.1, times, gains, weight=0.0) == 0.001        # time alone
     assert choose_ratio(0.001, times, gains, weight=1.0) == 0.01       # J: 0.83, 0.6, 2.0
     assert choose_ratio(0.01, times, {0.1: 0.0, 0.01: 0.0, 0.001: 0.0}) == 0.01   # no gain data
+
+
+# -- the pure decisions, without Horovod ----------------------------------------------------------
+
+def test_decision_modules_import_neither_horovod_nor_torch():
+    code = ("import sys, hvd_topk.plans, hvd_topk.trial, hvd_topk.recheck; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('horovod', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+ARMS = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]
+
+
+def test_trial_turns_skip_their_first_step_and_rotate():
+    trial = trials.new_trial(ARMS)
+    assert trials.on_turn(trial) == 0
+    for s in (5.0, 0.1, 0.2):                                 # 5.0: the switch, not counted
+        assert not trials.turn_over(trial, 3)
+        trial = trials.record_step(trial, s)
+    assert trials.turn_over(trial, 3)
+    trial, round_over = trials.end_turn(trial)
+    assert not round_over and trial.turn_times == [] and trial.round_means == [pytest.approx(0.15)]
+    assert trials.on_turn(trial) == 1
+    assert not trials.counts_round(trial)                     # the first round: each transport's first use
+
+
+def test_verdict_drops_the_clearly_slower_plans_and_settles():
+    means = [[0.100, 0.101, 0.099], [0.200, 0.210, 0.190], [0.130, 0.131, 0.129]]
+    assert trials.verdict(ARMS, means, [0, 1, 2]) == trials.Verdict(active=[0], settled=True, kept=0)
+
+
+@pytest.mark.parametrize("dense_s, active, kept", [
+    (0.103, [0, 2], 2),          # a lead over dense within the 5% margin: dense kept, exact
+    (0.106, [0], 0),             # beyond the margin: dense is out, the fastest kept
+])
+def test_verdict_dense_tie(dense_s, active, kept):
+    means = [[0.100] * 3, [0.200] * 3, [dense_s] * 3]
+    assert trials.verdict(ARMS, means, [0, 1, 2]) == trials.Verdict(active, True, kept)
+
+
+def test_verdict_stays_open_while_the_rounds_disagree():
+    arms = ARMS[:2]
+    noisy = [[0.10, 0.12, 0.09], [0.11, 0.09, 0.12]]
+    assert trials.verdict(arms, noisy, [0, 1]) == trials.Verdict([0, 1], False, 0)
+    assert trials.verdict(arms, [[0.1], [0.2]], [0, 1]).settled is False     # one counted round: no spread
+
+
+def test_end_round_counts_from_the_second_round_and_ends_at_the_most_rounds():
+    arms = ARMS[:2]
+    trial = trials.Trial(arms, [0, 1], [[], []], rounds=0, round_means=[0.5, 0.1])
+    trial, kept = trials.end_round(trial, None, trial_rounds=3, max_rounds=5)
+    assert (trial.rounds, trial.means, trial.round_means, kept) == (1, [[], []], [], None)
+    open_trial = trials.Trial(arms, [0, 1], [[0.10, 0.12, 0.09], [0.11, 0.09, 0.12]], rounds=4,
+                              round_means=[0.1, 0.1])
+    trial, kept = trials.end_round(open_trial, [0.1, 0.1], trial_rounds=3, max_rounds=6)
+    assert trial.rounds == 5 and trial.means[1][-1] == 0.1 and kept is None       # not settled: goes on
+    trial, kept = trials.end_round(open_trial, [0.1, 0.1], trial_rounds=3, max_rounds=5)
+    assert trial.active == [0, 1] and kept == 0                                 # the most rounds: ends
+    assert trials.summary(trial, kept).startswith("trial, 4 counted rounds: all artopk 102.5 ms/step")
+    early = trials.Trial(arms, [0, 1], [[0.1], [0.3]], rounds=1)
+    assert trials.end_round(early, [0.1, 0.3], trial_rounds=3, max_rounds=5)[1] is None   # too few rounds
+
+
+def test_drift_rule_two_checks_in_a_row_the_same_way():
+    cal = recheck.drift_check(0.02, 0.01, None, 0, 0.5, True)
+    assert cal == recheck.Drift(2.0, 0, False, None)                # the first check calibrates
+    sign, seen = 0, []
+    for factor in (2.0, 1.0, 0.4, 2.0, 2.1):
+        d = recheck.drift_check(factor * 0.02, 0.01, 2.0, sign, 0.5, True)
+        sign = d.sign
+        seen.append((d.sign, d.reprobe))
+    assert seen == [(1, False), (0, False), (-1, False), (1, False), (0, True)]
+    assert recheck.drift_check(0.08, 0.01, 2.0, 1, 0.5, False) == recheck.Drift(2.0, 1, False, None)
+    assert recheck.probe_is_old(9, 1, 2) and not recheck.probe_is_old(8, 1, 2)  # 4 checks of 2 steps
+
+
+def test_ratio_check_arithmetic():
+    assert recheck.check_row([0.1, 0.3], [], None, 2) == [pytest.approx(0.2), 0.0, 0.0, 0.0, 0.0]
+    assert recheck.check_row([], [0.1], [1.0, 2.0, 4.0], 2) == [0.0, 0.1, 1.0, 2.0, 4.0]
+    assert recheck.check_row([0.1], [0.1], [1.0], 2)[2:] == [0.0] * 3         # no compressed tensor
+    assert recheck.gain_fractions((0.1, 0.01), [2.0, 1.0, 4.0]) == {0.1: 0.5, 0.01: 0.25}
+    assert recheck.gain_fractions((0.1, 0.01), [0.0, 0.0, 0.0]) is None
+    assert recheck.gain_fractions(None, []) is None
+    numels, densities = {"w": 10**6, "v": 10**5}, {0.1: 0.1, 0.01: 0.01}
+    dense = recheck.ratio_step_seconds(0.5, 0.2, numels, densities, 4, SLOW, fixed="dense")
+    assert dense == {0.1: pytest.approx(0.5 - 0.2 + plan_seconds(numels, {"w": "dense", "v": "dense"}, 0.1, 4, SLOW)),
+                     0.01: dense[0.1]}
+    model = recheck.ratio_step_seconds(0.5, 0.2, numels, densities, 4, SLOW)
+    for c, d in densities.items():
+        assert model[c] == max(0.0, 0.5 - 0.2 + plan_seconds(numels, plan_transports(numels, d, 4, SLOW), d, 4, SLOW))
+    assert recheck.ratio_step_seconds(0.0, 10.0, numels, densities, 4, SLOW)[0.01] == 0.0   # never < 0
+
+
+# -- a checkpoint taken during a trial ---------------------------------------------------------------
+
+class Solo:
+    """One rank and no Horovod: the tuner's world, agreeing with itself."""
+
+    @staticmethod
+    def agree(values, name):
+        return [float(v) for v in values]
+
+    @staticmethod
+    def size():
+        return 1
+
+    @staticmethod
+    def rank():
+        return 0
+
+
+TRIAL_KW = dict(trial_steps=3, trial_rounds=4, trial_max_rounds=12)
+_RNG = random.Random(5)
+NOISE = [_RNG.uniform(-0.2, 0.2) for _ in range(400)]
+
+
+def scripted(step, mode):
+    """Step times of a noisy host: dense leaves after the fewest rounds (step 36), the two sparse plans
+    take turns until step 66."""
+    return {"artopk": 0.100, "allgather": 0.104, "dense": 0.140}[mode] * (1 + NOISE[step])
+
+
+def solo_tuner():
+    tuner = AutoTuner(True, None, **TRIAL_KW)
+    tuner.world = Solo()
+    return tuner
+
+
+def feed(tuner, steps):
+    """The plan of every step of ``steps`` and the tuner's answers, fed the scripted times."""
+    seen = []
+    for step in steps:
+        seen.append(dict(tuner.plan))
+        assert tuner.end_step(State, step, scripted(step, tuner.plan["w"]), 0.01) is None
+    return seen
+
+
+def mid_trial(stop):
+    tuner = solo_tuner()
+    tuner.costs = SLOW
+    tuner.start_trial(ARMS)
+    feed(tuner, range(1, stop))
+    assert tuner.trial is not None
+    return tuner
+
+
+# in the first round, at a round's start, mid-turn, just after dense left, in the last turn
+@pytest.mark.parametrize("stop", [2, 10, 14, 28, 37, 50, 66])
+def test_checkpoint_mid_trial_continues_the_trial(stop):
+    """A tuner checkpointed during a trial and loaded into a fresh one takes the plans the tuner that
+    went on would have, and ends the trial with the same verdict at the same step."""
+    ref = mid_trial(1)
+    plans = feed(ref, range(1, 120))
+    assert ref.trial is None and ref.history == [(66, 0.01, {"dense": 0, "artopk": 1, "allgather": 0}, (
+        "trial, 8 counted rounds: all artopk 97.0 ms/step, all allgather 100.2 ms/step, "
+        "all dense 133.0 ms/step (out after 3); kept all artopk"))]
+    saved = pickle.loads(pickle.dumps(mid_trial(stop).state_dict()))    # plain data
+    resumed = solo_tuner()
+    resumed.load_state_dict(saved)
+    assert feed(resumed, range(stop, 120)) == plans[stop - 1:]
+    assert (resumed.plan, resumed.history, resumed.trial) == (ref.plan, ref.history, ref.trial)
+    assert resumed.state_dict() == ref.state_dict()
+
+
+def test_old_checkpoint_loads_without_its_trial():
+    """A checkpoint of plan, costs and history only (the format before trials were saved) loads as it
+    did: the plan on its turn stays, as if chosen, and the trial is not continued."""
+    tuner = mid_trial(23)
+    old = {k: tuner.state_dict()[k] for k in ("plan", "costs", "history")}
+    resumed = solo_tuner()
+    resumed.load_state_dict(old)
+    assert (resumed.plan, resumed.costs, resumed.trial) == (tuner.plan, SLOW, None)
+    ref = mid_trial(1)
+    plans = feed(ref, range(1, 120))
+    assert feed(resumed, range(23, 120)) != plans[22:]
 
 
 def test_topk_energies_match_brute_force():

@@ -1,0 +1,119 @@
+"""Transport plans from the cost model: which transport each compressed tensor uses, and what a plan costs.
+
+Pure functions over plain numbers and dicts; no Horovod, no torch (``hvd_topk.auto`` applies them, see
+docs/auto.md). For every compressed tensor (n elements, density c, N ranks) the modelled seconds are::
+
+    dense      dense_ring(M = 4n)                                 a plain allreduce, nothing selected
+    allgather  allgather(M, c)   + σ·n + π·n                      every rank selects its own top-k
+    artopk     artopk_ring(M, c) + σ·n/N + 2π·n                   the leader selects, all gather values
+
+with the communication terms of ``hvd_topk.costmodel``, σ the seconds per element of one exact top-k
+selection and π the seconds per element of one pass over the accumulator (the leader role rotates, so
+each rank selects 1/N of the tensors). The cheapest wins; ties go to dense, then artopk (the order of
+``TRANSPORTS``). Horovod's Gloo and MPI collectives do not expose ring vs. tree, so only the ring
+formulas are used. The model ignores the overlap with the backward pass and the ranks' competition for
+CPU, so ``trial_plans`` lists the plans worth checking by measurement (``hvd_topk.trial``).
+"""
+from typing import NamedTuple
+
+from . import costmodel
+
+__all__ = ["TRANSPORTS", "TRIAL_SPAN", "Costs", "tensor_seconds", "plan_transports", "plan_seconds",
+           "trial_plans", "uniform_plan", "plan_name", "plan_counts", "fitted_link"]
+
+# The transports a plan chooses from, also the tie-break order: dense first (exact, no compression
+# error), then AR-Topk (one selection per tensor), then allgather.
+TRANSPORTS = ("dense", "artopk", "allgather")
+# Every uniform plan modelled within this factor of the model's plan is measured: the model's misses
+# seen on busy hosts (CPU competition, fusion) stayed within it.
+TRIAL_SPAN = 4.0
+# Bytes of one index of the sparse transports (int32).
+_INDEX_BYTES = 4
+
+
+class Costs(NamedTuple):
+    """What the model needs of this machine and network, identical on every rank."""
+    alpha: float            # s, latency of one message (probe)
+    beta: float             # s/byte per rank (probe)
+    select_s: float         # s per element of one exact top-k selection
+    pass_s: float           # s per element of one pass over the accumulator
+
+
+def tensor_seconds(numel, density, n_workers, costs, value_bytes=4):
+    """Modelled seconds of each transport for one tensor (module docstring). dict transport -> s."""
+    t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta,
+                          index_bytes=_INDEX_BYTES, value_bytes=value_bytes)
+    select, sweep = costs.select_s * numel, costs.pass_s * numel
+    return {"dense": t["dense_ring"],
+            "allgather": t["allgather"] + select + sweep,
+            "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep}
+
+
+def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=TRANSPORTS):
+    """Cheapest transport per tensor: dict name -> transport (ties: order of ``TRANSPORTS``).
+
+    Args:
+        numels: dict name -> number of elements of each compressed tensor (or bucket).
+        density: fraction of elements the sparse transports send, in (0, 1].
+        n_workers: ranks.
+        costs: ``Costs``.
+        modes: the transports to choose from.
+
+    Example:
+        >>> fast = Costs(alpha=1e-5, beta=1e-10, select_s=1e-9, pass_s=1e-10)
+        >>> plan_transports({"w": 10**6}, 0.001, 4, fast)       # one selection instead of four
+        {'w': 'artopk'}
+        >>> plan_transports({"w": 10**6}, 0.001, 4, fast._replace(select_s=0.0, pass_s=0.0))
+        {'w': 'allgather'}
+    """
+    plan = {}
+    for name, n in numels.items():
+        t = tensor_seconds(n, density, n_workers, costs, value_bytes)
+        plan[name] = min(modes, key=lambda m: (t[m], TRANSPORTS.index(m)))
+    return plan
+
+
+def plan_seconds(numels, plan, density, n_workers, costs, value_bytes=4):
+    """Modelled seconds of a whole plan (sum over its tensors)."""
+    return sum(tensor_seconds(numels[name], density, n_workers, costs, value_bytes)[mode]
+               for name, mode in plan.items())
+
+
+def uniform_plan(numels, transport):
+    """The plan sending every tensor of ``numels`` with ``transport``."""
+    return {name: transport for name in numels}
+
+
+def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=TRIAL_SPAN):
+    """Plans worth measuring: the model's per-tensor plan first, then every uniform plan (one transport
+    for all tensors, in ``TRANSPORTS`` order) whose modelled time is within ``span`` x the model's plan."""
+    plan = plan_transports(numels, density, n_workers, costs, value_bytes)
+    best = plan_seconds(numels, plan, density, n_workers, costs, value_bytes)
+    arms = [plan]
+    for mode in TRANSPORTS:
+        uniform = uniform_plan(numels, mode)
+        if uniform not in arms and plan_seconds(numels, uniform, density, n_workers, costs, value_bytes) \
+                <= span * best:
+            arms.append(uniform)
+    return arms
+
+
+def plan_counts(plan):
+    """dict transport -> number of tensors of ``plan`` sent with it (every transport, in order)."""
+    return {m: sum(1 for v in plan.values() if v == m) for m in TRANSPORTS}
+
+
+def plan_name(plan):
+    """Short name of a plan for the history: "all artopk", "mixed 2 dense/3 allgather"."""
+    modes = set(plan.values())
+    return f"all {modes.pop()}" if len(modes) == 1 else \
+        "mixed " + "/".join(f"{sum(1 for v in plan.values() if v == m)} {m}" for m in TRANSPORTS if m in modes)
+
+
+def fitted_link(alpha, beta, last):
+    """(alpha, beta, kept) of a new probe: a re-probe whose fit finds no bandwidth term at all (busy
+    host: the large messages were not slower than the small ones) measured noise, so the last fit
+    (``Costs`` or None) is kept when it had one (kept True)."""
+    if beta <= 0 and last is not None and last.beta > 0:
+        return last.alpha, last.beta, True
+    return alpha, beta, False
