@@ -16,7 +16,7 @@ import statistics
 import sys
 import tempfile
 
-from hvd_topk.launch import run_job
+from bench.infra.launch import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -48,7 +48,7 @@ COLUMNS = ["mode", "seed", "bandwidth", "test_acc", "link_bytes", "steps", "wall
 
 def run_one(label, seed, o):
     """One training run; returns its CSV row."""
-    from hvd_topk.launch import run_job
+    from bench.infra.launch import run_job
 
     args, link = MODES[label]
     bandwidth = o.bandwidth if link == "limited" else "unlimited"
@@ -94,7 +94,7 @@ def fit_weight(points):
 
 
 def calibrate(o):
-    from hvd_topk.launch import run_job
+    from bench.infra.launch import run_job
 
     records = {}
     for c in (1.0,) + CALIBRATION_RATIOS:

@@ -1,7 +1,7 @@
 """The evidence grid: real horovodrun jobs behind tbf-limited links; CSV, PNG plots and a report.
 
-Every job (``hvd_topk.launch.run_job``, Gloo) runs inside a fresh network namespace of its own
-(``hvd_topk.wire.Namespace``) whose loopback is limited by ``tc tbf`` to 100 Mbit/s or 1 Gbit/s, or
+Every job (``bench.infra.launch.run_job``, Gloo) runs inside a fresh network namespace of its own
+(``bench.infra.wire.Namespace``) whose loopback is limited by ``tc tbf`` to 100 Mbit/s or 1 Gbit/s, or
 left unlimited (MTU 9000; tbf burst 1mb and latency 100ms by default). Rank 0 of the example reads the
 loopback's kernel counters at every step boundary, so the link bytes are every rank's traffic together,
 headers included. Every job gets the same HOROVOD_CYCLE_TIME (20 ms by default), dense included. Parts:
@@ -413,7 +413,7 @@ _NAMESPACES = itertools.count()
 
 def namespace(rate, burst):
     """A fresh namespace named after this process (``hvdtopk-ev<pid>-<n>``), so leftovers are traceable."""
-    from hvd_topk.wire import Namespace
+    from bench.infra.wire import Namespace
     return Namespace(rate=rate, burst=burst, name=f"hvdtopk-ev{os.getpid()}-{next(_NAMESPACES)}")
 
 
@@ -427,7 +427,7 @@ def execute(run, o, unsupported):
 
     ``unsupported`` maps a mode label to the reason it was skipped; a job failing with a ValueError
     (or an argparse error) that names one of its mode's options adds its label there."""
-    from hvd_topk.launch import JobFailed, run_job
+    from bench.infra.launch import JobFailed, run_job
 
     row = {**asdict(run), "run_id": run.run_id, "burst": o.burst, "status": "ok", "error": ""}
     if run.label in unsupported:
@@ -468,7 +468,7 @@ def relative(command):
 
 def recorded_command(env, prefix, ranks, argv):
     """The command line of a job as a report records it: environment, namespace prefix, launcher."""
-    from hvd_topk.launch import launch_command
+    from bench.infra.launch import launch_command
 
     return relative(shlex.join([*(f"{k}={v}" for k, v in env.items()), *prefix, *launch_command(ranks, argv)]))
 
@@ -492,7 +492,7 @@ def _tail(text, n=1500):
 def control_plane(ranks, bandwidth, cycle_ms, o):
     """Loopback bytes per second of a job whose ranks sit idle between two barriers (Horovod's
     background loop coordinating every HOROVOD_CYCLE_TIME with a small allreduce), all ranks together."""
-    from hvd_topk.launch import run_job
+    from bench.infra.launch import run_job
 
     row = {"ranks": ranks, "bandwidth": bandwidth, "cycle_ms": cycle_ms, "idle_s": o.idle_seconds,
            "status": "ok", "error": ""}
@@ -517,7 +517,7 @@ def idle_worker(seconds, out, ops=30):
     import horovod.torch as hvd
     import torch
 
-    from hvd_topk.wire import loopback_bytes
+    from bench.infra.wire import loopback_bytes
 
     hvd.init()
     hvd.allreduce(torch.zeros(1), name="idle.start")

@@ -56,7 +56,7 @@ def worker(a):
 
     import hvd_topk
     from hvd_topk import TopKEF
-    from hvd_topk.wire import loopback_bytes
+    from bench.infra.wire import loopback_bytes
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from data import load_dataset
@@ -229,7 +229,7 @@ def report(results, command, pooled_results=()):
 
 def driver(a):
     from bench.evidence import namespace
-    from hvd_topk.launch import run_job
+    from bench.infra.launch import run_job
 
     # the command that makes the jobs (with --report-only pass the flags the jobs ran with: the report quotes it)
     command = "python -m bench.sidebyside " + shlex.join(x for x in sys.argv[1:] if x != "--report-only")

@@ -46,7 +46,7 @@ def worker(args):
 
     import hvd_topk
     from hvd_topk import TopKEF
-    from hvd_topk.wire import loopback_bytes
+    from bench.infra.wire import loopback_bytes
 
     hvd.init()
     torch.set_num_threads(1)
@@ -87,8 +87,8 @@ def worker(args):
 
 
 def driver(args):
-    from hvd_topk.launch import run_job
-    from hvd_topk.wire import Namespace, can_make_namespace
+    from bench.infra.launch import run_job
+    from bench.infra.wire import Namespace, can_make_namespace
 
     modes = {m: MODES[m] for m in ["dense"] + [m for m in args.modes.split(",") if m and m != "dense"]}
     rows = {}

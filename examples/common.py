@@ -19,22 +19,29 @@ sys.path). A training loop built on it:
             log.eval_point(log.step, epoch, test_loss, test_acc)
     log.finish(model, {"test_loss": test_loss, "test_accuracy": test_acc})   # checks, JSON
 
-Bytes come from the loopback's kernel counters (``hvd_topk.wire.loopback_bytes``): run the job in a
+Bytes come from the loopback's kernel counters (``bench.infra.wire.loopback_bytes``): run the job in a
 private network namespace (examples/demo.py and the benchmarks do) so that they count this job's
 traffic only, every rank's together.
 """
 import contextlib
 import json
 import logging
+import os
+import sys
 import time
 
-import horovod.torch as hvd
-import torch
+# The examples run as plain scripts (python examples/x.py under horovodrun, mpirun or srun), so only
+# examples/ is on sys.path; the loopback counters live in the repository's bench/infra tooling, which
+# is not part of the installed package: put the repository root on the path to import it.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hvd_topk
-import hvd_topk.stats
-from hvd_topk import TopKEF
-from hvd_topk.wire import loopback_bytes
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+
+import hvd_topk  # noqa: E402
+import hvd_topk.stats  # noqa: E402
+from bench.infra.wire import loopback_bytes  # noqa: E402
+from hvd_topk import TopKEF  # noqa: E402
 
 __all__ = ["add_compression_args", "add_run_args", "make_distributed_optimizer", "RunLog"]
 

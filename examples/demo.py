@@ -13,8 +13,11 @@ import os
 import sys
 import tempfile
 
-from hvd_topk.launch import run_job
-from hvd_topk.wire import Namespace, can_make_namespace
+# Run as a script: put the repository root on sys.path for the bench/infra tooling (jobs, namespaces).
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.infra.launch import run_job  # noqa: E402
+from bench.infra.wire import Namespace, can_make_namespace  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hvd_topk.launch import JobFailed
+from bench.infra.launch import JobFailed
 
 from conftest import assert_identical_across_ranks
 
