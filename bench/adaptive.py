@@ -33,7 +33,9 @@ import time
 
 from hvd_topk.auto import DEFAULT_RATIOS
 
-from bench.evidence import BANDWIDTHS, ROOT, job_env, namespace, preflight, recorded_command
+from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT, TBF_BURST
+from bench.infra.manifest import write_manifest
+from bench.job import job_env, namespace, preflight, recorded_command
 
 # label -> (the example's arguments, link): "limited" is --bandwidth, "unlimited" the bare loopback
 MODES = {
@@ -59,7 +61,7 @@ def run_one(label, seed, o):
         if label == "adaptive":
             argv += ["--auto-every", str(o.auto_every)]
         env = job_env(o.cycle_ms)
-        with namespace(BANDWIDTHS[bandwidth], "1mb") as ns:
+        with namespace(BANDWIDTHS[bandwidth], TBF_BURST) as ns:
             command = recorded_command(env, ns.prefix, o.ranks, argv)
             run_job(o.ranks, argv, timeout=3600, prefix=ns.prefix, env=env, cwd=ROOT)
         with open(out) as f:
@@ -161,7 +163,7 @@ def summary(rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "adaptive"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "adaptive"))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--bandwidth", choices=[b for b in BANDWIDTHS if b != "unlimited"], default="100mbit")
     p.add_argument("--model", choices=["cnn", "wide"], default="wide")
@@ -169,7 +171,7 @@ def main(argv=None):
     p.add_argument("--seeds", default="0,1", help="comma-separated")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     p.add_argument("--auto-every", type=int, default=25, help="steps between the adaptive ratio's checks")
-    p.add_argument("--cycle-ms", default="20", help="HOROVOD_CYCLE_TIME of every job")
+    p.add_argument("--cycle-ms", default=CYCLE_TIME_MS, help="HOROVOD_CYCLE_TIME of every job")
     p.add_argument("--calibrate", action="store_true", help="fit the objective's weight w instead (see above)")
     o = p.parse_args(argv)
     modes = [m.strip() for m in o.modes.split(",") if m.strip()]
@@ -182,6 +184,7 @@ def main(argv=None):
         print(f"bench.adaptive: {missing}", file=sys.stderr)
         return 2
     os.makedirs(o.out, exist_ok=True)
+    write_manifest(o.out, shlex.join(["python", "-m", "bench.adaptive", *(argv if argv is not None else sys.argv[1:])]))
     if o.calibrate:
         calibrate(o)
         return 0

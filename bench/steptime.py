@@ -118,8 +118,9 @@ def driver(args):
         table[mode] = {"step_ms": t * 1e3, "step_vs_dense": t / dense_t, "bytes": b, "bytes_vs_dense": b / dense_b}
         print(f"| {mode:<24} | {t * 1e3:8.2f} | {t / dense_t:7.2f}x | {b:15,.0f} | {b / dense_b:13.4f}x |")
     if args.json_out:
+        from bench.infra.manifest import manifest
         with open(args.json_out, "w") as f:
-            json.dump(table, f, indent=1)
+            json.dump({**table, "manifest": manifest()}, f, indent=1)
 
 
 def _modes(text):
