@@ -284,8 +284,10 @@ class RunLog:
 
     def finish(self, model, result):
         """End the run: barrier, read the counters, check parameters are bit-identical on every rank,
-        merge ``result`` (e.g. test_loss, test_accuracy) into the record; rank 0 prints it as one JSON
-        line and writes --json-out. Returns the record (on every rank; the lists only on rank 0)."""
+        merge ``result`` (e.g. test_loss, test_accuracy) into the record; rank 0 writes it to --json-out
+        and prints one summary line: the record's single values as JSON, without the per-step lists,
+        the curve and the stats (thousands of numbers). Returns the record (on every rank; the lists
+        only on rank 0)."""
         hvd.allreduce(torch.zeros(1), name="runlog.end")
         wall, tx = self.wall(), loopback_bytes()[0]
         if self.writer is not None:
@@ -304,7 +306,8 @@ class RunLog:
                   else None, "hvd_topk_auto": _jsonable(self.auto_state)}
         record.update(result)
         if self.rank == 0:
-            print(json.dumps(record), flush=True)
+            summary = {k: v for k, v in record.items() if not isinstance(v, (list, dict)) or k == "resumed_from"}
+            print(json.dumps(summary), flush=True)
             if self.args.json_out:
                 with open(self.args.json_out, "w") as f:
                     json.dump(record, f)
