@@ -1,7 +1,7 @@
 """The adaptive ratio against fixed ratios and dense: final accuracy and total link bytes.
 
 Each run trains the digits CNN to the end (``--epochs``) under ``horovodrun --gloo`` in a fresh network
-namespace (``bench.evidence.namespace``). The compressed runs go through a ``tc tbf`` link
+namespace (``bench.job.namespace``). The compressed runs go through a ``tc tbf`` link
 (``--bandwidth``), so the adaptive ratio's cost model sees a slow network; dense, whose accuracy and
 bytes do not depend on the link, runs on an unlimited loopback (at 100 Mbit/s its steps would take
 seconds each). Link bytes are the loopback's kernel counters, read by rank 0 of the example. Writes
