@@ -91,7 +91,7 @@ def print_table(rows, args, isolated):
           "unlimited and the model tiny, so selecting the top-k costs more than the bytes it saves; on a\n"
           "slow link the saved bytes are the step time. See that with the bandwidth-limited benchmark:")
     print('  python -m bench.evidence --part steps --ranks 2 --bandwidths 100mbit --ratios 0.01 \\\n'
-          '      --modes "dense,topkef" --out /tmp/ev      # ~5 min; report in /tmp/ev/report.md')
+          '      --modes "dense,topkef" --out /tmp/ev      # ~2 min; report in /tmp/ev/report.md')
 
 
 if __name__ == "__main__":
