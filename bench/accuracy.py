@@ -16,7 +16,8 @@ import statistics
 import sys
 import tempfile
 
-from hvd_topk.launch import run_job
+from bench.infra.launch import run_job
+from bench.infra.manifest import write_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,6 +145,7 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         command = shlex.join(["python", "-m", "bench.accuracy", *sys.argv[1:]])
+        write_manifest(args.out, command)
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join([f"`{command}`", ""] + lines) + "\n")
         with open(os.path.join(args.out, "runs.json"), "w") as f:

@@ -1,7 +1,7 @@
 """The adaptive ratio against fixed ratios and dense: final accuracy and total link bytes.
 
 Each run trains the digits CNN to the end (``--epochs``) under ``horovodrun --gloo`` in a fresh network
-namespace (``bench.evidence.namespace``). The compressed runs go through a ``tc tbf`` link
+namespace (``bench.job.namespace``). The compressed runs go through a ``tc tbf`` link
 (``--bandwidth``), so the adaptive ratio's cost model sees a slow network; dense, whose accuracy and
 bytes do not depend on the link, runs on an unlimited loopback (at 100 Mbit/s its steps would take
 seconds each). Link bytes are the loopback's kernel counters, read by rank 0 of the example. Writes
@@ -33,7 +33,9 @@ import time
 
 from hvd_topk.auto import DEFAULT_RATIOS
 
-from bench.evidence import BANDWIDTHS, ROOT, job_env, namespace, preflight, recorded_command
+from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT, TBF_BURST
+from bench.infra.manifest import write_manifest
+from bench.job import job_env, namespace, preflight, recorded_command
 
 # label -> (the example's arguments, link): "limited" is --bandwidth, "unlimited" the bare loopback
 MODES = {
@@ -48,7 +50,7 @@ COLUMNS = ["mode", "seed", "bandwidth", "test_acc", "link_bytes", "steps", "wall
 
 def run_one(label, seed, o):
     """One training run; returns its CSV row."""
-    from hvd_topk.launch import run_job
+    from bench.infra.launch import run_job
 
     args, link = MODES[label]
     bandwidth = o.bandwidth if link == "limited" else "unlimited"
@@ -59,7 +61,7 @@ def run_one(label, seed, o):
         if label == "adaptive":
             argv += ["--auto-every", str(o.auto_every)]
         env = job_env(o.cycle_ms)
-        with namespace(BANDWIDTHS[bandwidth], "1mb") as ns:
+        with namespace(BANDWIDTHS[bandwidth], TBF_BURST) as ns:
             command = recorded_command(env, ns.prefix, o.ranks, argv)
             run_job(o.ranks, argv, timeout=3600, prefix=ns.prefix, env=env, cwd=ROOT)
         with open(out) as f:
@@ -94,7 +96,7 @@ def fit_weight(points):
 
 
 def calibrate(o):
-    from hvd_topk.launch import run_job
+    from bench.infra.launch import run_job
 
     records = {}
     for c in (1.0,) + CALIBRATION_RATIOS:
@@ -161,7 +163,7 @@ def summary(rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "adaptive"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "adaptive"))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--bandwidth", choices=[b for b in BANDWIDTHS if b != "unlimited"], default="100mbit")
     p.add_argument("--model", choices=["cnn", "wide"], default="wide")
@@ -169,7 +171,7 @@ def main(argv=None):
     p.add_argument("--seeds", default="0,1", help="comma-separated")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     p.add_argument("--auto-every", type=int, default=25, help="steps between the adaptive ratio's checks")
-    p.add_argument("--cycle-ms", default="20", help="HOROVOD_CYCLE_TIME of every job")
+    p.add_argument("--cycle-ms", default=CYCLE_TIME_MS, help="HOROVOD_CYCLE_TIME of every job")
     p.add_argument("--calibrate", action="store_true", help="fit the objective's weight w instead (see above)")
     o = p.parse_args(argv)
     modes = [m.strip() for m in o.modes.split(",") if m.strip()]
@@ -182,6 +184,7 @@ def main(argv=None):
         print(f"bench.adaptive: {missing}", file=sys.stderr)
         return 2
     os.makedirs(o.out, exist_ok=True)
+    write_manifest(o.out, shlex.join(["python", "-m", "bench.adaptive", *(argv if argv is not None else sys.argv[1:])]))
     if o.calibrate:
         calibrate(o)
         return 0

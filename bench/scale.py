@@ -4,7 +4,7 @@ Modelled communication time of one gradient message (default 100 MB: 25M fp32 pa
 dense ring and tree allreduce, the Top-K allgather (values + int32 indices) and AR-Topk over ring and
 tree, against workers (8 .. 1024), link bandwidth (100 Mbit/s .. 100 Gbit/s) and density.
 
-    python -m bench.scale                          # PNGs + CSV into bench/results/, markdown summary
+    python -m bench.scale                          # PNGs + CSV into bench/results/scale/, markdown summary
     python -m bench.scale --alpha 1e-3 --message-mb 4 --out /tmp/scale
 (Run as a module from the repository root: bench/select.py would shadow the standard library's
 ``select`` module if bench/ were on sys.path.)
@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from bench.infra.manifest import write_manifest
 from hvd_topk import costmodel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +170,7 @@ def summary(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="folder for PNGs and CSV")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "scale"), help="folder for PNGs and CSV")
     p.add_argument("--message-mb", type=float, default=100.0, help="dense gradient message, MB (1e6 B)")
     p.add_argument("--alpha", type=float, default=50e-6, help="latency per message, s")
     p.add_argument("--index-bytes", type=int, default=4)
@@ -189,6 +190,7 @@ def main():
     plot_time_vs_workers(outputs[1], args, plt)
     plot_time_vs_bandwidth_density(outputs[2], args, plt)
     write_csv(outputs[3], args)
+    outputs.append(write_manifest(args.out))
     print(summary(args))
     print("\nwrote " + ", ".join(os.path.relpath(o) for o in outputs))
 

@@ -64,7 +64,7 @@ def parse_args(argv=None):
                    help="comma-separated subset of " + ",".join(DTYPES))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--repeats", default=5, type=int, help="timed repeats per method (median reported)")
-    p.add_argument("--out", default=os.path.join(_HERE, "results"), help="folder for the CSV and PNG")
+    p.add_argument("--out", default=os.path.join(_HERE, "results", "select"), help="folder for the CSV and PNG")
     p.add_argument("--seed", default=0, type=int)
     args = p.parse_args(argv)
     bad = [d for d in args.dtypes if d not in DTYPES]
@@ -239,6 +239,8 @@ def main(argv=None):
         writer.writerows(rows)
     png_path = os.path.join(args.out, f"select_{args.device}.png")
     plot(rows, png_path)
+    from bench.infra.manifest import write_manifest
+    write_manifest(args.out)
     print(f"wrote {csv_path} and {png_path}")
     return 0
 

@@ -38,14 +38,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BANDWIDTHS = {"100mbit": "100mbit", "1gbit": "1gbit", "unlimited": None}
-MODES = ("dense", "topkef", "hvd_topk allgather", "hvd_topk artopk", "hvd_topk auto")
+from bench.constants import AUTO_MODE as AUTO
+from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT, TBF_BURST
+from bench.constants import FIXED_TRANSPORT_MODES as FIXED
+
+MODES = ("dense", "topkef", "hvd_topk allgather", "hvd_topk artopk", AUTO)
 EXTRA_MODES = ("hvd_topk artopk nomc",)                           # artopk, momentum_correction=False
-AUTO = "hvd_topk auto"
-FIXED = ("dense", "hvd_topk allgather", "hvd_topk artopk")      # the transports auto chooses from, fixed
 TARGET = 0.05
-CYCLE_TIME_MS = "20"
 
 
 # -- the job ------------------------------------------------------------------------------------------
@@ -56,7 +55,7 @@ def worker(a):
 
     import hvd_topk
     from hvd_topk import TopKEF
-    from hvd_topk.wire import loopback_bytes
+    from bench.infra.wire import loopback_bytes
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from data import load_dataset
@@ -228,12 +227,15 @@ def report(results, command, pooled_results=()):
 
 
 def driver(a):
-    from bench.evidence import namespace
-    from hvd_topk.launch import run_job
+    from bench.infra.launch import run_job
+    from bench.infra.manifest import write_manifest
+    from bench.job import namespace
 
     # the command that makes the jobs (with --report-only pass the flags the jobs ran with: the report quotes it)
     command = "python -m bench.sidebyside " + shlex.join(x for x in sys.argv[1:] if x != "--report-only")
     os.makedirs(a.out, exist_ok=True)
+    if not a.report_only:
+        write_manifest(a.out, command)
     results, records = [], {}
     for rep in range(1, a.repeats + 1):
         for bw in a.bandwidths:
@@ -252,7 +254,7 @@ def driver(a):
                         "--warmup", str(a.warmup), "--max-warmup", str(a.max_warmup), "--batch-size", str(a.batch_size),
                         "--turn", str(a.turn)]
                 t0 = time.perf_counter()
-                with namespace(BANDWIDTHS[bw], "1mb") as ns:
+                with namespace(BANDWIDTHS[bw], TBF_BURST) as ns:
                     run_job(a.np, argv, timeout=a.timeout, prefix=ns.prefix, env={"HOROVOD_CYCLE_TIME": CYCLE_TIME_MS},
                             cwd=ROOT)
                 with open(js) as f:
@@ -290,7 +292,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="jobs per link")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
-    p.add_argument("--out", default="bench/results/sidebyside_auto")
+    p.add_argument("--out", default=os.path.join(RESULTS, "sidebyside_auto"))
     p.add_argument("--report-only", action="store_true", help="rebuild summary and report from <out>/*-rep*.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json-out", help=argparse.SUPPRESS)

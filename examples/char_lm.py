@@ -35,6 +35,7 @@ import argparse
 import importlib.util
 import math
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -305,7 +306,9 @@ def main():
               f"{args.block_size}; {size} ranks x {args.batch_size} windows; {args.compression}", flush=True)
     tokens_per_step = size * args.batch_size * args.block_size
     total = min(args.steps, args.max_steps) if args.max_steps > 0 else args.steps
-    bar = tqdm(total=total, disable=quiet, desc=args.compression, mininterval=1.0)
+    # A bar only on a terminal: under horovodrun its redraws arrive as one line of prefixed fragments;
+    # the evaluation lines below show the progress there.
+    bar = tqdm(total=total, disable=quiet or not sys.stderr.isatty(), desc=args.compression, mininterval=1.0)
     test_loss, evaluated_at = None, None
     log.start()
     while log.step < args.steps and not log.should_stop(log.step):

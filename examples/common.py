@@ -19,22 +19,29 @@ sys.path). A training loop built on it:
             log.eval_point(log.step, epoch, test_loss, test_acc)
     log.finish(model, {"test_loss": test_loss, "test_accuracy": test_acc})   # checks, JSON
 
-Bytes come from the loopback's kernel counters (``hvd_topk.wire.loopback_bytes``): run the job in a
+Bytes come from the loopback's kernel counters (``bench.infra.wire.loopback_bytes``): run the job in a
 private network namespace (examples/demo.py and the benchmarks do) so that they count this job's
 traffic only, every rank's together.
 """
 import contextlib
 import json
 import logging
+import os
+import sys
 import time
 
-import horovod.torch as hvd
-import torch
+# The examples run as plain scripts (python examples/x.py under horovodrun, mpirun or srun), so only
+# examples/ is on sys.path; the loopback counters live in the repository's bench/infra tooling, which
+# is not part of the installed package: put the repository root on the path to import it.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hvd_topk
-import hvd_topk.stats
-from hvd_topk import TopKEF
-from hvd_topk.wire import loopback_bytes
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+
+import hvd_topk  # noqa: E402
+import hvd_topk.stats  # noqa: E402
+from bench.infra.wire import loopback_bytes  # noqa: E402
+from hvd_topk import TopKEF  # noqa: E402
 
 __all__ = ["add_compression_args", "add_run_args", "make_distributed_optimizer", "RunLog"]
 
@@ -277,8 +284,10 @@ class RunLog:
 
     def finish(self, model, result):
         """End the run: barrier, read the counters, check parameters are bit-identical on every rank,
-        merge ``result`` (e.g. test_loss, test_accuracy) into the record; rank 0 prints it as one JSON
-        line and writes --json-out. Returns the record (on every rank; the lists only on rank 0)."""
+        merge ``result`` (e.g. test_loss, test_accuracy) into the record; rank 0 writes it to --json-out
+        and prints one summary line: the record's single values as JSON, without the per-step lists,
+        the curve and the stats (thousands of numbers). Returns the record (on every rank; the lists
+        only on rank 0)."""
         hvd.allreduce(torch.zeros(1), name="runlog.end")
         wall, tx = self.wall(), loopback_bytes()[0]
         if self.writer is not None:
@@ -297,7 +306,8 @@ class RunLog:
                   else None, "hvd_topk_auto": _jsonable(self.auto_state)}
         record.update(result)
         if self.rank == 0:
-            print(json.dumps(record), flush=True)
+            summary = {k: v for k, v in record.items() if not isinstance(v, (list, dict)) or k == "resumed_from"}
+            print(json.dumps(summary), flush=True)
             if self.args.json_out:
                 with open(self.args.json_out, "w") as f:
                     json.dump(record, f)

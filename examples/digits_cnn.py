@@ -34,8 +34,9 @@ evaluation excluded), whichever comes first; all ranks stop at the same step.
 With --checkpoint, every rank saves its own file (model, optimizer, TopKEF residuals, position) at each
 epoch's end, and at the next step after SIGUSR1/SIGTERM, then exits with status 85 (EXIT_REQUEUE), on
 which slurm/*.sbatch requeue the job; a run that finds the files resumes where they left off.
-Rank 0 prints one JSON line (and writes --json-out): the run's settings, per-step times and link
-bytes, the test curve and the final figures (examples/common.py, RunLog). Bytes per step come from the
+Rank 0 writes the run's record to --json-out: its settings, per-step times and link bytes, the test
+curve and the final figures (examples/common.py, RunLog); stdout gets one summary line (JSON, the
+final figures only) and, under horovodrun, one progress line per epoch. Bytes per step come from the
 loopback's interface counters; run it in a private network namespace (examples/demo.py does) so that
 they count this job's traffic only. BatchNorm statistics (resnet18) are per rank; rank 0 evaluates.
 """
@@ -187,8 +188,12 @@ def main():
 
     log = RunLog(args, example="digits_cnn", model=model, model_name=args.model, dataset=args.dataset,
                  non_iid=args.non_iid, start_step=done)
-    bar = tqdm(total=total, initial=done, disable=hvd.rank() != 0 or args.quiet, desc=args.compression,
+    # A bar only on a terminal: under horovodrun (a pipe) its redraws arrive as one line of prefixed
+    # fragments, so rank 0 prints one line per epoch there instead.
+    progress = hvd.rank() == 0 and not args.quiet
+    bar = tqdm(total=total, initial=done, disable=not (progress and sys.stderr.isatty()), desc=args.compression,
                mininterval=1.0)
+    epoch_lines = progress and bar.disable
     log.start()
     epoch, test = start_epoch, None
     for epoch in range(start_epoch, args.epochs):
@@ -225,6 +230,9 @@ def main():
                 test = evaluate_point(log, model, x_test, y_test, steps_per_epoch)
                 if test is not None:
                     bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", acc=f"{test[1]:.3f}")
+                    if epoch_lines:
+                        print(f"epoch {epoch + 1}/{args.epochs}: step {log.step}, train loss {loss.item():.3f}, "
+                              f"test acc {test[1]:.4f}, {log.wall():.1f} s", flush=True)
             if args.checkpoint:
                 with log.paused():
                     save(model, opt, comp, epoch + 1, 0, why="end of epoch")

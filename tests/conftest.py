@@ -53,7 +53,7 @@ def hvd():
 @pytest.fixture
 def run_ranks(tmp_path):
     """Run a test worker on N real ranks; returns the per-rank result dicts saved by the worker."""
-    from hvd_topk.launch import run_job
+    from bench.infra.launch import run_job
 
     def run(np, worker, *args, backend="gloo", timeout=240, prefix=(), out=None):
         out = out or tmp_path / f"job{len(list(tmp_path.iterdir()))}"

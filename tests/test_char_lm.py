@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from hvd_topk.launch import run_job
+from bench.infra.launch import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "char_lm.py")

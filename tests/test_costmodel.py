@@ -1,4 +1,4 @@
-"""The alpha-beta cost model (DESIGN.md section 2) against numbers worked out by hand."""
+"""The alpha-beta cost model (docs/costmodel.md) against numbers worked out by hand."""
 import math
 
 import pytest
@@ -15,7 +15,7 @@ def test_predict_hand_computed_int32_indices():
     assert t["dense_ring"] == pytest.approx(1.56e-3, rel=1e-12)
     # tree:      2·1e-5·2 + 2·2·1e6·1e-9             = 4e-5 + 4e-3     = 4.04e-3
     assert t["dense_tree"] == pytest.approx(4.04e-3, rel=1e-12)
-    # allgather: 1e-5·2 + 1e4·(1+1)·1e-9·3           = 2e-5 + 6e-5     = 8e-5   (DESIGN: 2Mcβ(N-1))
+    # allgather: 1e-5·2 + 1e4·(1+1)·1e-9·3           = 2e-5 + 6e-5     = 8e-5   (docs/costmodel.md: 2Mcβ(N-1))
     assert t["allgather"] == pytest.approx(8e-5, rel=1e-12)
     # AR ring:   1e-5·(2·3 + 2) + 1e4·1e-9·(1.5 + 2)  = 8e-5 + 3.5e-5   = 1.15e-4
     assert t["artopk_ring"] == pytest.approx(1.15e-4, rel=1e-12)
@@ -88,7 +88,7 @@ def test_crossover_density_matches_predict():
             below = predict(n, 1e8, c_star * 0.99, 0.0, GBIT, index_bytes=index_bytes)
             above = predict(n, 1e8, c_star * 1.01, 0.0, GBIT, index_bytes=index_bytes)
             assert below["allgather"] < below["dense_ring"] < above["allgather"]
-    assert crossover_density(64) == 1 / 64                  # DESIGN: int32 indices, c < 1/N
+    assert crossover_density(64) == 1 / 64                  # docs/costmodel.md: int32 indices, c < 1/N
     assert crossover_density(1) == 1.0
 
 

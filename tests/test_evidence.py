@@ -1,6 +1,6 @@
-"""bench/evidence.py: the theoretical bytes against hand-computed values, the refusal path, the clean-up on
-SIGTERM, and a reduced grid (``--quick``: one 2-rank job per mode through a 1 Gbit/s tbf link, plus a short
-time-to-accuracy run) checked for link bytes, measured/theoretical, identical parameters and its outputs."""
+"""The evidence grid (bench/evidence.py and the modules it is split into): the theoretical bytes against
+hand-computed values, the refusal path, the clean-up on SIGTERM, and a reduced grid (``--quick``: one
+2-rank job per mode through a 1 Gbit/s tbf link, plus a short time-to-accuracy run) checked for link bytes, measured/theoretical, identical parameters and its outputs."""
 import csv
 import os
 import shutil
@@ -12,8 +12,9 @@ import time
 import psutil
 import pytest
 
-from bench import evidence
-from bench.evidence import scheme_of, theoretical_bytes
+from bench import evidence, grid, job, report, rows
+from bench.constants import MODES, auto_warmup_steps
+from bench.linkbytes import measure, scheme_of, settled_step, theoretical_bytes
 
 from conftest import ROOT
 
@@ -63,29 +64,29 @@ def test_scheme_of_records():
 
 def test_measure_skips_warmup_and_needs_enough_steps():
     record = {"ranks": 2, "step_times_s": [9.0, 9.0, 1.0, 2.0, 3.0], "link_tx_bytes": [99, 99, 10, 20, 30]}
-    m = evidence.measure(record, warmup=2, min_measured=3)
+    m = measure(record, warmup=2, min_measured=3)
     assert m["step_s"] == 2.0 and m["measured_steps"] == 3
     assert m["link_bytes"] == pytest.approx(60 / 3 / 2)
     with pytest.raises(ValueError, match="fewer than 4 measured steps"):
-        evidence.measure(record, warmup=2, min_measured=4)
+        measure(record, warmup=2, min_measured=4)
     # auto: a trial of plans that ends after the planned warm-up is skipped as well
     trial = {**record, "hvd_topk_auto": {"history": [[1, 0.01, {}, "start, trial of 2 plans"],
                                                      [1, 0.01, {}, "trial, 3 counted rounds: ...; kept all artopk"]]}}
-    m = evidence.measure(trial, warmup=2, min_measured=2)
+    m = measure(trial, warmup=2, min_measured=2)
     assert m["measured_steps"] == 2 and m["step_s"] == 2.5
-    assert evidence.settled_step({"hvd_topk_auto": None}) == 0
+    assert settled_step({"hvd_topk_auto": None}) == 0
 
 
 def test_unsupported_option_is_recognised():
-    auto = evidence.MODES["hvd_topk auto"]
+    auto = MODES["hvd_topk auto"]
     out = ("[0]<stderr>:Traceback (most recent call last):\n"
            "[0]<stderr>:ValueError: communication must be one of ('artopk', 'allgather', 'dense'), got 'auto'\n")
-    assert "got 'auto'" in evidence._unsupported_reason(out, auto)
+    assert "got 'auto'" in job.unsupported_reason(out, auto)
     argparse_out = "[1]<stderr>:char_lm.py: error: argument --communication: invalid choice: 'auto'\n"
-    assert "invalid choice" in evidence._unsupported_reason(argparse_out, auto)
+    assert "invalid choice" in job.unsupported_reason(argparse_out, auto)
     # a ValueError about something else is a failure, not an unsupported option
-    assert evidence._unsupported_reason("[0]<stderr>:ValueError: ratio must be in (0, 1]\n", auto) is None
-    assert evidence._unsupported_reason(out, evidence.MODES["dense"]) is None
+    assert job.unsupported_reason("[0]<stderr>:ValueError: ratio must be in (0, 1]\n", auto) is None
+    assert job.unsupported_reason(out, MODES["dense"]) is None
 
 
 def test_refuses_without_root_or_tools(tmp_path, capsys):
@@ -98,6 +99,18 @@ def test_refuses_without_root_or_tools(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "raw")                      # nothing was started
 
 
+def test_auto_warmup_follows_the_autotuner_defaults():
+    """The grid's warm-up for auto is derived from AutoTuner's constructor defaults, not copied by hand."""
+    import inspect
+
+    from hvd_topk.auto import AutoTuner
+    defaults = inspect.signature(AutoTuner).parameters
+    # the probe (2 steps), then 4 plans in turns of trial_steps for trial_rounds counted rounds + 1 uncounted
+    expected = 2 + 4 * defaults["trial_steps"].default * (defaults["trial_rounds"].default + 1)
+    assert auto_warmup_steps() == expected
+    assert grid.mode_warmup("hvd_topk auto") == expected and grid.mode_warmup("dense") == 0
+
+
 def test_dry_run_prints_the_plan():
     out = subprocess.run([sys.executable, "-m", "bench.evidence", "--dry-run"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
@@ -107,13 +120,13 @@ def test_dry_run_prints_the_plan():
 def test_repeats_interleave_the_grid():
     o = evidence.parse_args(["--part", "steps", "--ranks", "2", "--bandwidths", "1gbit", "--ratios", "0.01",
                              "--modes", "dense,hvd_topk artopk,hvd_topk auto", "--repeats", "3"])
-    ids = [r.run_id for r in evidence.plan(o)]
+    ids = [r.run_id for r in grid.plan(o)]
     cells = ["steps-cnn-wide-dense-n2-1gbit", "steps-cnn-wide-hvd-topk-artopk-r0.01-n2-1gbit",
              "steps-cnn-wide-hvd-topk-auto-r0.01-n2-1gbit"]
     assert ids == [f"{c}-rep{i}" for i in (1, 2, 3) for c in cells]     # every mode once, then again
     once = evidence.parse_args(["--part", "steps", "--ranks", "2", "--bandwidths", "1gbit", "--ratios", "0.01",
                                 "--modes", "dense"])
-    assert [r.run_id for r in evidence.plan(once)] == [cells[0]]
+    assert [r.run_id for r in grid.plan(once)] == [cells[0]]
     with pytest.raises(SystemExit):
         evidence.parse_args(["--repeats", "0"])
 
@@ -133,27 +146,27 @@ def test_medians_over_repeats_and_auto_against_the_best_fixed_mode():
     runs = [_steps_row(label, i + 1, t[i], 1e6 if label == "dense" else 1e4) for label, t in ms.items()
             for i in range(3)]
     runs.append(_steps_row("fp16", 1, 50, 5e5, status="failed"))      # a cell with no successful run
-    evidence.add_relative(runs)
+    rows.add_relative(runs)
     assert runs[0]["speedup_vs_dense"] == 1.0 and runs[3]["speedup_vs_dense"] == 100 / 80   # same repeat's dense
-    cells = {r["label"]: r for r in evidence.median_rows(runs)}
+    cells = {r["label"]: r for r in rows.median_rows(runs)}
     assert cells["hvd_topk artopk"]["step_s"] == 0.084 and cells["hvd_topk artopk"]["repeats"] == 3
     assert cells["hvd_topk artopk"]["step_s_runs"] == "80.0/84.0/96.0"
     assert cells["hvd_topk artopk"]["run_id"] == "steps-x-hvd_topk artopk"
     assert cells["hvd_topk artopk"]["speedup_vs_dense"] == 0.095 / 0.084
     assert cells["fp16"]["status"] == "failed" and cells["fp16"]["repeats"] == 0
-    per_repeat = evidence.auto_vs_best(runs)
+    per_repeat = rows.auto_vs_best(runs)
     assert [(c["repeat"], c["best"]) for c in per_repeat] == [(1, "hvd_topk allgather 0.01"),
                                                               (2, "hvd_topk artopk 0.01"),
                                                               (3, "hvd_topk allgather 0.01")]
     assert [round(c["vs_best"], 4) for c in per_repeat] == [round(84 / 79 - 1, 4), round(80 / 84 - 1, 4),
                                                             round(81 / 83 - 1, 4)]
-    (median,) = evidence.auto_vs_best(list(cells.values()))
+    (median,) = rows.auto_vs_best(list(cells.values()))
     assert median["best"] == "hvd_topk allgather 0.01" and median["vs_best"] == 0.081 / 0.083 - 1
     assert median["vs_dense"] == 0.081 / 0.095 - 1
-    (target,) = [c for c in evidence.checks(list(cells.values()), [], runs) if c[0].startswith("(auto)")]
+    (target,) = [c for c in report.checks(list(cells.values()), [], runs) if c[0].startswith("(auto)")]
     assert target[1] is True and "+6.3%, -4.8%, -2.4%" in target[2]
     slow = [dict(r, step_s=0.2) if r["label"] == "hvd_topk auto" else r for r in cells.values()]
-    (target,) = [c for c in evidence.checks(slow, []) if c[0].startswith("(auto)")]
+    (target,) = [c for c in report.checks(slow, []) if c[0].startswith("(auto)")]
     assert target[1] is False
 
 
@@ -163,9 +176,9 @@ def test_auto_target_on_the_unlimited_link_is_dense(auto_ms, met):
     ms = {"dense": (95, 96, 94), "topkef": (85, 86, 84), "hvd_topk auto": auto_ms}
     runs = [_steps_row(label, i + 1, t[i], 1e6, bandwidth="unlimited") for label, t in ms.items()
             for i in range(3)]
-    evidence.add_relative(runs)
-    cells = evidence.median_rows(runs)
-    (target,) = [c for c in evidence.checks(cells, [], runs) if c[0].startswith("(auto)")]
+    rows.add_relative(runs)
+    cells = rows.median_rows(runs)
+    (target,) = [c for c in report.checks(cells, [], runs) if c[0].startswith("(auto)")]
     assert target[0].endswith("auto within 5% of dense") and target[1] is met
     assert "best fixed topkef 0.01 85.0 ms" in target[2] and "each repeat vs dense" in target[2]
 
@@ -180,7 +193,7 @@ def test_quick_grid(tmp_path):
     out = tmp_path / "ev"
     subprocess.run([sys.executable, "-m", "bench.evidence", "--quick", "--out", str(out)], cwd=ROOT,
                    check=True, timeout=900)
-    for name in ("steps.csv", "control_plane.csv", "tta.csv", "tta_curves.csv", "report.md",
+    for name in ("steps.csv", "control_plane.csv", "tta.csv", "tta_curves.csv", "report.md", "manifest.json",
                  "bytes_per_step.png", "speedup.png", "tta_cnn-wide.png"):
         assert (out / name).stat().st_size > 0, name
     with open(out / "steps.csv") as f:

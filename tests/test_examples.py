@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_topk.launch import run_job
+from bench.infra.launch import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from hvd_topk.launch import JobFailed
+from bench.infra.launch import JobFailed
 
 from conftest import assert_identical_across_ranks
 

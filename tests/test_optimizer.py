@@ -393,6 +393,6 @@ def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(run_ranks, co
 def test_checkpoint_from_other_world_size_is_refused(run_ranks, tmp_path):
     first = tmp_path / "two"
     run_ranks(2, "opt_train.py", "--steps", 10, "--save-at", 4, out=first)
-    from hvd_topk.launch import JobFailed
+    from bench.infra.launch import JobFailed
     with pytest.raises(JobFailed, match=r"no checkpoint for rank \d of 3"):
         run_ranks(3, "opt_train.py", "--steps", 10, "--resume", str(first / "ckpt.pt"))

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from hvd_topk.launch import run_job
+from bench.infra.launch import run_job
 from hvd_topk.probe import DEFAULT_SIZES, Probe, drift, fit_line, to_alpha_beta
-from hvd_topk.wire import Namespace, can_make_namespace
+from bench.infra.wire import Namespace, can_make_namespace
 
 from conftest import ROOT, WORKERS
 

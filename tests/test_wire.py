@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from hvd_topk.launch import run_job
-from hvd_topk.wire import Namespace, can_make_namespace
+from bench.infra.launch import run_job
+from bench.infra.wire import Namespace, can_make_namespace
 
 from conftest import ROOT
 

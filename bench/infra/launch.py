@@ -48,7 +48,7 @@ def launch_command(np, argv, backend="gloo"):
     raise ValueError(f"backend must be 'gloo' or 'mpi', got {backend!r}")
 
 
-def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None, stream=False):
+def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None, stream=False, on_line=None):
     """Run a multi-rank job to completion; return its combined output, or raise JobFailed.
 
     Args:
@@ -57,6 +57,8 @@ def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None
         prefix: command prefix, e.g. ``Namespace.prefix`` to run inside a network namespace.
         env: extra environment variables.
         stream: also copy the job's output to this process's stdout as it comes (progress bars).
+        on_line: called with each complete line of the job's output as it comes (without the newline),
+            e.g. to show a filtered progress.
     """
     full_env = dict(os.environ)
     # Running as root (containers, CI): OpenMPI refuses unless told it is deliberate.
@@ -74,13 +76,17 @@ def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None
 
     timer = threading.Timer(timeout, expire)
     timer.start()
-    chunks = []
+    chunks, pending = [], b""
     try:
         for chunk in iter(lambda: os.read(proc.stdout.fileno(), 65536), b""):
             chunks.append(chunk)
             if stream:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
+            if on_line is not None:
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    on_line(line.decode(errors="replace").rstrip("\r"))
         proc.wait()
     finally:
         timer.cancel()

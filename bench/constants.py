@@ -1,0 +1,57 @@
+"""What every benchmark shares: the links, Horovod's cycle time, the example's mode table, auto's warm-up.
+
+One place, so that the evidence grid, the side-by-side job, the adaptive-ratio runs and the step-time
+benchmark cannot drift apart on what "1gbit" or "hvd_topk artopk" means.
+"""
+import inspect
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+# Link name -> tbf rate (None: no qdisc, the loopback's own speed), and the same in bytes per second.
+BANDWIDTHS = {"100mbit": "100mbit", "1gbit": "1gbit", "unlimited": None}
+RATE_BYTES_PER_S = {"100mbit": 100e6 / 8, "1gbit": 1e9 / 8, "unlimited": None}
+# tbf burst: 1mb is the smallest that passes MTU-9000 frames here.
+TBF_BURST = "1mb"
+# HOROVOD_CYCLE_TIME (ms) of every job, dense included: a longer cycle than Horovod's 1 ms default shrinks
+# the control plane's bytes, and every mode gets the same (docs/benchmarks.md).
+CYCLE_TIME_MS = "20"
+
+# Mode label -> the example's arguments (examples/digits_cnn.py, examples/char_lm.py). Modes whose
+# --compression is topkef or hvd_topk are Top-K modes and run at every ratio of a grid.
+MODES = {
+    "dense": ["--compression", "none"],
+    "fp16": ["--compression", "fp16"],
+    "topkef": ["--compression", "topkef"],
+    "hvd_topk allgather": ["--compression", "hvd_topk", "--communication", "allgather"],
+    "hvd_topk artopk": ["--compression", "hvd_topk", "--communication", "artopk"],
+    "hvd_topk auto": ["--compression", "hvd_topk", "--communication", "auto"],
+    # Horovod's groups=1: all gradients in one grouped collective per kind (not in the default grid)
+    "topkef grouped": ["--compression", "topkef", "--groups", "1"],
+    "hvd_topk artopk grouped": ["--compression", "hvd_topk", "--communication", "artopk", "--groups", "1"],
+    "hvd_topk allgather grouped": ["--compression", "hvd_topk", "--communication", "allgather", "--groups", "1"],
+    "hvd_topk allgather fp16": ["--compression", "hvd_topk", "--communication", "allgather", "--value-dtype",
+                                "float16"],
+}
+SPARSE_COMPRESSIONS = ("topkef", "hvd_topk")
+AUTO_MODE = "hvd_topk auto"
+# The transports auto chooses from, each fixed: auto's target is the fastest of them.
+FIXED_TRANSPORT_MODES = ("dense", "hvd_topk allgather", "hvd_topk artopk")
+
+
+def auto_warmup_steps():
+    """Steps before auto's step times are representative, from AutoTuner's own defaults.
+
+    auto probes the link after its first step (2 steps), then its plans take turns of ``trial_steps``
+    steps: the model's plan and the three uniform plans (all dense, all artopk, all allgather), for
+    ``trial_rounds`` counted rounds after one uncounted round. A longer trial is skipped as well, from
+    the run's own decision history (``bench.linkbytes.settled_step``).
+    """
+    from hvd_topk.auto import AutoTuner
+
+    defaults = inspect.signature(AutoTuner).parameters
+    plans = 1 + len(("dense", "artopk", "allgather"))
+    probe_steps = 2
+    trial_steps, trial_rounds = defaults["trial_steps"].default, defaults["trial_rounds"].default
+    return probe_steps + plans * trial_steps * (trial_rounds + 1)
