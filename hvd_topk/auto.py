@@ -43,7 +43,6 @@ __all__ = ["TRANSPORTS", "DEFAULT_RATIOS", "DEFAULT_WEIGHT", "Costs", "tensor_se
 
 log = logging.getLogger("hvd_topk")
 
-MODES = TRANSPORTS          # old name, for optimizer.py until it moves to TRANSPORTS
 DEFAULT_RATIOS = (0.1, 0.03, 0.01, 0.003, 0.001)
 # The probe's timed calls per message size (the median is kept): 3 is enough for the model's choice,
 # which the trial then checks by measurement, and keeps the probe short (it runs again on drift).

@@ -60,7 +60,7 @@ class Collectives:
     them has been submitted once, then start together: one grouped allreduce and one grouped
     allgather per dtype, tensors in key order, which Horovod negotiates as one and fuses into one
     buffer, so the step sends fewer and larger messages (at small ratios the per-message cost
-    dominates: see README). The first ``wait`` of a step starts every group still pending as it is:
+    dominates: see docs/results.md). The first ``wait`` of a step starts every group still pending as it is:
     the same on every rank when every rank submitted the same keys, as Horovod's collectives require
     anyway.
 

@@ -1,4 +1,4 @@
-"""The alpha-beta cost model of DESIGN.md section 2: modelled seconds of each collective.
+"""The alpha-beta cost model (docs/costmodel.md): modelled seconds of each collective.
 
 Pure functions over numbers; no Horovod import. Notation: ``alpha`` is the latency of one message (s),
 ``beta`` the time per byte on one link (s/byte), ``M = message_bytes`` the bytes of the dense gradient,
@@ -6,7 +6,7 @@ Pure functions over numbers; no Horovod import. Notation: ``alpha`` is the laten
 
 Sparse transports send the selected values in the gradient's own dtype, so ``M·c`` is the bytes of the
 values, and the matching indices take ``M·c·r`` bytes with ``r = index_bytes / value_bytes``
-(int32 indices with fp32 values: r = 1). For r = 1 every formula below is DESIGN.md's exactly:
+(int32 indices with fp32 values: r = 1). For r = 1 every formula below is the published one (docs/costmodel.md):
 
 =============  ===========================================  =====================================
 name           seconds                                      what it is
@@ -14,12 +14,12 @@ name           seconds                                      what it is
 dense_ring     2(N−1)α + 2(N−1)/N·Mβ                        ring allreduce of the dense gradient
 dense_tree     2α·log N + 2·log N·Mβ                        tree allreduce of the dense gradient
 allgather      α·log N + Mc(1+r)β(N−1)                      allgather of every rank's values and
-                                                            indices (DESIGN: 2Mcβ(N−1) for r = 1)
+                                                            indices (published: 2Mcβ(N−1) for r = 1)
 artopk_ring    α[2(N−1) + log N] + Mcβ[2(N−1)/N + r·log N]  broadcast of the leader's indices
                                                             (Mcr bytes) + ring allreduce of the
                                                             values (Mc bytes)
 artopk_tree    3α·log N + Mcβ·log N·(2 + r)                 the same with a tree allreduce
-                                                            (DESIGN: 3Mcβ·log N for r = 1)
+                                                            (published: 3Mcβ·log N for r = 1)
 =============  ===========================================  =====================================
 
 With one worker there is nothing to communicate and every time is 0.
@@ -38,7 +38,7 @@ _TIE_RTOL = 1e-9
 
 
 def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value_bytes=4):
-    """Modelled communication seconds of every collective (DESIGN.md section 2, module docstring).
+    """Modelled communication seconds of every collective (docs/costmodel.md, module docstring).
 
     Args:
         n_workers: number of ranks N, an int >= 1.

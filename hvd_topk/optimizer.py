@@ -18,7 +18,7 @@ from horovod.torch.functions import broadcast_object
 from horovod.torch.mpi_ops import Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .auto import DEFAULT_RATIOS, DEFAULT_WEIGHT, MODES, AutoTuner
+from .auto import DEFAULT_RATIOS, DEFAULT_WEIGHT, AutoTuner
 from .bucket import GLOBAL_KEY, GlobalBucket
 from .checkpoint import check_loadable, coordinator_state, load_coordinator_state
 from .comm import Collectives, Reduction
@@ -28,6 +28,7 @@ from .dgc import MomentumCorrection
 from .index_sets import IndexPipeline
 from .leaders import StarLeaders, VarLeaders
 from .memory import ResidualMemory
+from .plans import TRANSPORTS
 from .schedule import DensitySchedule
 from .stats import StepStats
 from .transports import ARTopk, Dense, SparseAllgather
@@ -99,7 +100,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             every step whose density is below 1, i.e. after ``dense_steps``. Error feedback already
             sends each element's update as the sum of the steps it was held back, which acts as
             momentum; keeping the optimizer's own momentum on top of it overshoots (measured on the
-            byte-level LM, see README). Adam's second moment is untouched. True (default) keeps the
+            byte-level LM, see docs/results.md). Adam's second moment is untouched. True (default) keeps the
             optimizer as it is.
         groups: as in Horovod: None (every tensor's collective starts as soon as it is ready), an int
             N >= 1 (the parameters split into N contiguous groups) or a list of lists of parameters
@@ -333,7 +334,7 @@ def _stats(self):
     if tuner is not None and tuner.costs is not None:
         out.update(alpha=tuner.costs.alpha, beta=tuner.costs.beta)
         if tuner.auto_transport:
-            out.update({f"auto_{mode}": sum(1 for v in tuner.plan.values() if v == mode) for mode in MODES})
+            out.update({f"auto_{mode}": sum(1 for v in tuner.plan.values() if v == mode) for mode in TRANSPORTS})
     return out
 
 

@@ -1,4 +1,4 @@
-"""Pure tensor functions for Top-K sparsification. No Horovod import here (DESIGN.md rule 2)."""
+"""Pure tensor functions for Top-K sparsification. No Horovod import here: the math is testable alone."""
 import math
 
 import torch
@@ -25,7 +25,7 @@ def k_for(numel, ratio):
     return min(int(numel), max(1, math.ceil(ratio * numel)))
 
 
-# Fast exact selection (DESIGN.md section 2). The magnitude of an IEEE float orders exactly like its bit
+# Fast exact selection (docs/design.md, "Fast exact top-k"). The magnitude of an IEEE float orders exactly like its bit
 # pattern with the sign bit cleared, read as a signed integer of the same width; NaN patterns lie above
 # inf there, so NaN counts as the largest magnitude, as in torch.topk. Working on these integers keeps
 # the selection exact (no rounding of a threshold) and needs neither an abs() copy nor a NaN pass.

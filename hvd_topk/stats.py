@@ -7,7 +7,7 @@ class StepStats:
     """Counts one step as it happens; ``last()`` gives the finished step's figures.
 
     bytes_sent: payload this rank hands to the collectives (values, flags, indices; headers and the
-    collective's own fan-out excluded: the link counters in ``hvd_topk.wire`` measure those).
+    collective's own fan-out excluded: the link counters of the benchmarks, ``bench/infra/wire.py``, measure those).
     compression_gain: ||sent||^2 / ||acc||^2 over the compressed tensors (GraVAC's gain).
     """
 

@@ -13,7 +13,7 @@ PAGES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 CODE_DIRS = ("hvd_topk", "bench", "examples", "scripts", "slurm", "tests", "docker")
 # hvd_topk/ is being rewritten: its docstrings are checked for outside citations once that lands.
-NO_OUTSIDE_CITATIONS = ("README.md", "docs", "bench", "examples", "scripts", "slurm", "tests", "docker")
+NO_OUTSIDE_CITATIONS = ("README.md", "docs", "hvd_topk", "bench", "examples", "scripts", "slurm", "tests", "docker")
 
 
 def _anchor(heading):
