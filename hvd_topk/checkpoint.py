@@ -72,7 +72,8 @@ def coordinator_state(c):
     velocities, the shared index sets, VAR's scores, the schedule and the tuner's decisions."""
     leaders = c.leaders.state_dict()
     schedule = c.schedule.state_dict()
-    return {"world_size": mpi_ops.size(), "rank": mpi_ops.rank(), "names": c.names, "selection": c.selection,
+    ps = c.collectives.process_set
+    return {"world_size": ps.size(), "rank": ps.rank(), "names": c.names, "selection": c.selection,
             "step": c.step, "epoch": schedule["epoch"], "residuals": c.residuals.state_dict(),
             "velocities": c.momentum.state_dict(), "index_sets": c.index_sets.state_dict(),
             "score": leaders.get("score", 0.0), "scores": leaders.get("scores"),
@@ -82,9 +83,10 @@ def coordinator_state(c):
 
 def check_loadable(c, state):
     """ValueError if ``state`` belongs to another world size or model."""
-    if state["world_size"] != mpi_ops.size():
+    size = c.collectives.process_set.size()
+    if state["world_size"] != size:
         raise ValueError(f"checkpoint holds the residuals of {state['world_size']} ranks, this job "
-                         f"has {mpi_ops.size()}; residuals are per rank and cannot be re-split "
+                         f"has {size}; residuals are per rank and cannot be re-split "
                          "(start the optimizer fresh, or resume with the same number of ranks)")
     if state["names"] != c.names or state["selection"] != c.selection:
         raise ValueError("checkpoint was written for a model with other parameters "

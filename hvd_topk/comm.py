@@ -69,8 +69,9 @@ class Collectives:
         groups: lists of keys; a key in no list is in no group.
     """
 
-    def __init__(self, name, groups=()):
+    def __init__(self, name, groups=(), process_set=mpi_ops.global_process_set):
         self.name = name
+        self.process_set = process_set        # every collective runs within it
         self.set_groups(groups)
         self.pending = {}          # group id -> {key: [(kind, tensor, options, slot)]}
         self.launched = {}         # group id -> launches this step (names stay the same step to step,
@@ -87,7 +88,7 @@ class Collectives:
         options = dict(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
         if key not in self.group_of:
             start = mpi_ops.allreduce_async_ if inplace else mpi_ops.allreduce_async
-            handle = start(tensor, name=name, **options)
+            handle = start(tensor, name=name, process_set=self.process_set, **options)
             return lambda: mpi_ops.synchronize(handle)
         return self._queue(key, [("allreduce", tensor, options)])[0]
 
@@ -95,7 +96,8 @@ class Collectives:
         """Start (or queue in ``key``'s group) an allgather of each of ``tensors`` (named
         ``{name}.{i}``); returns one ``wait() -> output`` per tensor."""
         if key not in self.group_of:
-            handles = [mpi_ops.allgather_async(t, name=f"{name}.{i}") for i, t in enumerate(tensors)]
+            handles = [mpi_ops.allgather_async(t, name=f"{name}.{i}", process_set=self.process_set)
+                       for i, t in enumerate(tensors)]
             return [lambda h=h: mpi_ops.synchronize(h) for h in handles]
         return self._queue(key, [("allgather", t, {}) for t in tensors])
 
@@ -123,8 +125,9 @@ class Collectives:
         for i, ((kind, _, options), batch) in enumerate(sorted(batches.items(), key=lambda b: repr(b[0]))):
             name = f"{self.name}.{gid}.{i}.{kind}" + (f".{again}" if again else "")
             tensors = [t for t, _ in batch]
-            handle = (mpi_ops.grouped_allreduce_async(tensors, name=name, **dict(options)) if kind == "allreduce"
-                      else mpi_ops.grouped_allgather_async(tensors, name=name))
+            handle = (mpi_ops.grouped_allreduce_async(tensors, name=name, process_set=self.process_set,
+                                                      **dict(options)) if kind == "allreduce"
+                      else mpi_ops.grouped_allgather_async(tensors, name=name, process_set=self.process_set))
             shared = {"handle": handle}
             for j, (_, slot) in enumerate(batch):
                 slot.update(shared=shared, index=j)

@@ -13,6 +13,7 @@ import math
 from typing import Hashable, NamedTuple, Optional
 
 import torch
+from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
 from .gradient_keys import ParameterKeys, SlotSequence
@@ -74,7 +75,13 @@ class TopKEF(Compressor):
             instead of the default: one step stale, one asynchronous allgather of every set per step.
         named_parameters: ``model.named_parameters()``, as given to the optimizer: residuals, leaders
             and index sets are then keyed by parameter name, whatever order Horovod compresses in.
-            Without it they are keyed by position in the step, which must then be the same every step.
+            Without it they are keyed by position in the step, which must then be the same every step
+            and on every rank (if the ranks' orders differ, every rank raises, naming this argument).
+        process_set: the optimizer's ``process_set``, if it has one: the index sets are shared within it.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) that Horovod sends with its own sparse allreduce
+    (``sparse_as_dense=False``) pass through untouched; with ``sparse_as_dense=True`` Horovod hands
+    ``compress`` the densified gradient, which is compressed like any other.
 
     Example:
         >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
@@ -86,7 +93,8 @@ class TopKEF(Compressor):
 
     _instances = 0            # creation counter: names the index collectives identically on all ranks
 
-    def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None):
+    def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
+                 process_set=mpi_ops.global_process_set):
         self.ratio = check_number("ratio", ratio, low=0, high=1, low_open=True, what="(fraction of elements kept)")
         self.min_numel = check_int("min_numel", min_numel)
         self.sync_indices = bool(sync_indices)
@@ -98,8 +106,9 @@ class TopKEF(Compressor):
         self._outputs = []                    # this step's decompressed gradients
         self._nonfinite = False               # some gradient of this step was non-finite somewhere
         self.index_sets = IndexPipeline(f"hvd_topk.TopKEF{TopKEF._instances}.indices", sync=sync_indices,
-                                        mismatch_hint=_MISMATCH_HINT if named_parameters is None else "")
-        self.artopk = ARTopk(self.index_sets, StarLeaders(self.keys.key_index))
+                                        mismatch_hint=_MISMATCH_HINT if named_parameters is None else "",
+                                        process_set=process_set)
+        self.artopk = ARTopk(self.index_sets, StarLeaders(self.keys.key_index, process_set))
         TopKEF._instances += 1
 
     @classmethod
@@ -135,8 +144,8 @@ class TopKEF(Compressor):
     def decompress(self, tensor, ctx):
         """Horovod contract: the dense aggregated gradient. The step's residuals are committed when
         its last gradient is decompressed, and only if every gradient was finite on every rank."""
-        if ctx.dense and ctx.key is None:                  # non-floating: not part of the step
-            return tensor
+        if ctx is None or (ctx.dense and ctx.key is None):
+            return tensor        # Horovod's sparse allreduce (ctx None), or non-floating: not of the step
         self.keys.finish_one()
         if ctx.dense:
             out = tensor

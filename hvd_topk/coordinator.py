@@ -74,16 +74,16 @@ class StepCoordinator:
         return not (self.communication == "dense" or p.dim() <= 1 or p.numel() < self.min_numel
                     or not p.is_floating_point())
 
-    def submit(self, p, name, update=None):
-        """Start the transport of p's gradient (or of ``update``, this rank's change of p, sent as it
-        is); returns ``done() -> aggregated gradient``."""
+    def submit(self, p, name, update=None, grad=None):
+        """Start the transport of p's gradient (``grad``, else ``p.grad``), or of ``update``, this rank's
+        change of p, sent as it is; returns ``done() -> aggregated gradient``."""
         if update is not None:
             g = update.reshape(-1)
         else:
-            g = p.grad.reshape(-1)
+            g = (p.grad if grad is None else grad).reshape(-1)
             if self.grad_scaler is not None:
                 g = g * (1.0 / self.grad_scaler.get_scale())
-            g = clip_local(g, self.clip_grad_norm)
+            g = clip_local(g, self.clip_grad_norm, self.collectives.process_set.size())
         g, u_new = self.momentum.correct(name, g, p)
         if not self.is_sparse(p):
             started = self.transports["plain"].start(name, g)
@@ -97,6 +97,20 @@ class StepCoordinator:
         if len(self.sent_keys) == len(self.sparse_numels):
             self.index_sets.flush()           # the step's last compressed tensor (step 2)
         return lambda: self._hand_out(name, p, *self._finish(name, pending), u_new)
+
+    def pass_through(self, p, name, wait):
+        """A gradient Horovod aggregates itself (sparse): ``done`` applies momentum correction to the
+        aggregate, if p's group has it (linear, so the same as before the sum, as for dense tensors)."""
+        def done():
+            out = wait()
+            if name not in self.momentum.groups:
+                return out
+            g = out.to_dense().reshape(-1)
+            if self.grad_scaler is not None:
+                g = g * (1.0 / self.grad_scaler.get_scale())
+            g, u_new = self.momentum.correct(name, g, p)
+            return self._hand_out(name, p, g, None, u_new)
+        return done
 
     def _start(self, key, g):
         """Start sending the flat accumulator acc = g + residual of ``key``; returns (acc, finish)."""

@@ -8,21 +8,25 @@ into error feedback, and the wrapped optimizer applies the aggregate with moment
 switched off (both already live in u). Factor masking: once entries of a tensor are sent, u is zeroed
 there too, so the momentum of a sent entry does not push it again from the residual. Velocities are
 committed only when the step is finite on every rank.
+
+The user's settings stay where the user (and a scheduler such as ``OneCycleLR(cycle_momentum=True)``)
+reads and writes them: ``param_groups``. They are read at every step, and switched off only for the
+duration of the wrapped optimizer's own step (``hidden``).
 """
+import contextlib
 import math
 from typing import NamedTuple
 
 import torch
-from horovod.torch import mpi_ops
 
 __all__ = ["MomentumSettings", "MomentumCorrection", "clip_local"]
 
 
-def clip_local(g, clip_grad_norm):
+def clip_local(g, clip_grad_norm, size):
     """DGC's local gradient clipping: ``g`` scaled to norm clip_grad_norm * size**-0.5 if it is longer
-    (the sum of P such gradients then has norm at most clip_grad_norm); None: unchanged."""
+    (the sum of ``size`` such gradients then has norm at most clip_grad_norm); None: unchanged."""
     if clip_grad_norm is not None:
-        limit = clip_grad_norm / math.sqrt(mpi_ops.size())
+        limit = clip_grad_norm / math.sqrt(size)
         norm = float(g.norm())
         if norm > limit:
             g = g * (limit / norm)
@@ -42,31 +46,59 @@ class MomentumSettings(NamedTuple):
                    group.get("weight_decay", 0.0))
 
 
+_OFF = {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
+
+
 class MomentumCorrection:
-    """Velocities per parameter name; ``settings`` maps the corrected names to their ``MomentumSettings``."""
+    """Velocities per parameter name, for the parameters whose groups it corrects (``take_over``)."""
 
     def __init__(self):
-        self.settings = {}                    # name -> MomentumSettings
+        self.groups = {}                      # name -> its param group (the user's settings live there)
         self.velocities = {}                  # name -> flat u, this rank's
+        self.optimizer_state = {}             # the wrapped optimizer's per-parameter state
 
-    def take_over(self, param_groups, names):
-        """Move momentum, dampening, Nesterov and weight decay of every group into this unit; the
-        wrapped optimizer keeps applying the learning rate only."""
+    def take_over(self, param_groups, names, optimizer_state):
+        """Correct every parameter of ``param_groups``: from now on the wrapped optimizer's own step
+        applies the learning rate only (see ``hidden``). A velocity not yet started begins from the
+        optimizer's own ``momentum_buffer`` if it has one (the same quantity: Horovod's
+        ``broadcast_optimizer_state`` creates it, a plain checkpoint may hold it)."""
+        self.optimizer_state = optimizer_state
         for group in param_groups:
-            settings = MomentumSettings.of(group)
             for q in group["params"]:
-                self.settings[names[q]] = settings
-            group.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
+                self.groups[names[q]] = group
+
+    @property
+    def settings(self):
+        """name -> ``MomentumSettings`` now in force, read from the param groups."""
+        return {name: MomentumSettings.of(group) for name, group in self.groups.items()}
+
+    @contextlib.contextmanager
+    def hidden(self):
+        """Momentum, dampening, Nesterov and weight decay switched off in the corrected groups for the
+        wrapped optimizer's step (they already live in the velocities), the user's values put back after."""
+        groups = list({id(g): g for g in self.groups.values()}.values())
+        saved = [{key: group[key] for key in _OFF if key in group} for group in groups]
+        for group in groups:
+            group.update((key, value) for key, value in _OFF.items() if key in group)
+        try:
+            yield
+        finally:
+            for group, values in zip(groups, saved):
+                group.update(values)
 
     def correct(self, name, g, p):
         """(what goes into error feedback, the new velocity or None): one fused pass per term
         (torch.add with alpha), not a temporary per product. ``g`` is flat; ``p`` the parameter."""
-        s = self.settings.get(name)
-        if s is None:
+        group = self.groups.get(name)
+        if group is None:
             return g, None
+        s = MomentumSettings.of(group)
         if s.weight_decay:
             g = torch.add(g, p.detach().reshape(-1), alpha=s.weight_decay)
         u = self.velocities.get(name)
+        if u is None and p in self.optimizer_state:
+            buf = self.optimizer_state[p].get("momentum_buffer")
+            u = None if buf is None else buf.reshape(-1)
         if u is None:
             u_new = g.clone()
         elif s.dampening == 0:

@@ -100,8 +100,8 @@ class SlotSequence:
             if self.pending:
                 raise RuntimeError(
                     f"TopKEF: a new step started with {self.pending} gradient(s) of the previous "
-                    "step never decompressed; use one TopKEF instance per optimizer and let "
-                    "Horovod's synchronize() finish every step")
+                    "step never decompressed; use one TopKEF instance per optimizer, with "
+                    "named_parameters=model.named_parameters(), and let Horovod's synchronize() finish every step")
             self.decompressing = False
             self.position = 0
         signature = (tuple(tensor.shape), tensor.dtype, tensor.device)
@@ -112,13 +112,15 @@ class SlotSequence:
             raise ValueError(
                 f"TopKEF: this step compresses more gradients than the first step "
                 f"({len(self.signatures)}); the model or its trainable parameters changed. "
-                "Create a new TopKEF (and optimizer) for a new model; residuals are kept per slot")
+                "Give TopKEF named_parameters=model.named_parameters(), one TopKEF per optimizer: "
+                "without names its residuals are kept by position")
         elif self.signatures[slot] != signature:
             raise ValueError(
                 f"TopKEF: gradient #{slot} of this step has shape/dtype/device {signature}, but "
                 f"slot #{slot} holds a residual for {self.signatures[slot]}; the sequence of "
                 "gradients changed (different model, or a parameter frozen mid-run). Refusing to "
-                "apply a residual to the wrong tensor")
+                "apply a residual to the wrong tensor; with TopKEF(named_parameters=model.named_parameters()) "
+                "residuals are kept by parameter name instead")
         self.position += 1
         self.pending += 1
         return slot
@@ -145,7 +147,8 @@ class SlotSequence:
             elif self.position != len(self.signatures):
                 raise ValueError(
                     f"TopKEF: this step compressed {self.position} gradients, the first step "
-                    f"{len(self.signatures)}; the model or its trainable parameters changed")
+                    f"{len(self.signatures)}; the model or its trainable parameters changed (use "
+                    "TopKEF(named_parameters=model.named_parameters()), one per optimizer)")
         self.pending -= 1
 
 

@@ -36,9 +36,10 @@ class IndexPipeline:
         sync: broadcast the current step's index set inside ``select`` and wait for it, instead.
     """
 
-    def __init__(self, name, sync=False, mismatch_hint=""):
+    def __init__(self, name, sync=False, mismatch_hint="", process_set=mpi_ops.global_process_set):
         self.name = name
         self.sync = sync
+        self.process_set = process_set         # the ranks that share the sets; ranks count within it
         self.mismatch_hint = mismatch_hint     # what to do when the ranks' plans differ
         self.outgoing = {}         # key -> (k, leader, int32 set or None): picked this step, not yet sent
         self.in_flight = None      # (allgather handle, [(key, k, leader)]) of the last flush
@@ -47,10 +48,11 @@ class IndexPipeline:
     def current(self, key, acc, k, leader):
         """The int64 index set every rank uses for ``key`` now; ``leader`` picks it if ``sync``."""
         if self.sync:
-            buf = (topk_indices(acc, k).to(torch.int32) if mpi_ops.rank() == leader
+            ps = self.process_set
+            buf = (topk_indices(acc, k).to(torch.int32) if ps.rank() == leader
                    else torch.empty(k, dtype=torch.int32, device=acc.device))
-            if mpi_ops.size() > 1:
-                mpi_ops.broadcast_(buf, root_rank=leader, name=f"{self.name}.{key}")
+            if ps.size() > 1:                 # Horovod's root_rank is a global rank
+                mpi_ops.broadcast_(buf, root_rank=ps.ranks[leader], name=f"{self.name}.{key}", process_set=ps)
             return buf.long()
         self._receive()
         buf = self.ready.pop(key, None)
@@ -76,7 +78,7 @@ class IndexPipeline:
         if self.sync:
             return
         buf = None
-        if mpi_ops.rank() == leader:
+        if self.process_set.rank() == leader:
             sent = acc.index_select(0, indices)
             acc.index_copy_(0, indices, grad.index_select(0, indices))   # predicts acc of next step
             buf = topk_indices(acc, k).to(torch.int32)
@@ -90,9 +92,9 @@ class IndexPipeline:
             return
         self._receive()                         # a set nobody picked up: its step went dense
         plan = [(key,) + self.outgoing[key][:2] for key in sorted(self.outgoing)]
-        mine = [self.outgoing[key][2] for key, _, leader in plan if leader == mpi_ops.rank()]
+        mine = [self.outgoing[key][2] for key, _, leader in plan if leader == self.process_set.rank()]
         self.outgoing = {}
-        if mpi_ops.size() == 1:
+        if self.process_set.size() == 1:
             self.ready = {key: buf for (key, _, _), buf in zip(plan, mine)}
             return
         device = mine[0].device if mine else torch.device("cpu")
@@ -100,7 +102,8 @@ class IndexPipeline:
         header = torch.tensor([sets.numel(), zlib.crc32(repr(plan).encode()) & 0x7FFFFFFF], dtype=torch.int32,
                               device=device)
         block = torch.cat([header, sets])
-        self.in_flight = (mpi_ops.allgather_async(block.reshape(-1, 1), name=f"{self.name}.sets"), plan)
+        self.in_flight = (mpi_ops.allgather_async(block.reshape(-1, 1), name=f"{self.name}.sets",
+                                                  process_set=self.process_set), plan)
 
     def _receive(self):
         """Wait for the last flush's allgather and split it into ``ready`` by its plan."""
@@ -110,7 +113,7 @@ class IndexPipeline:
         self.in_flight = None
         gathered = mpi_ops.synchronize(handle).reshape(-1)
         blocks, offset = [], 0
-        for _ in range(mpi_ops.size()):
+        for _ in range(self.process_set.size()):
             length, fingerprint = int(gathered[offset]), int(gathered[offset + 1])
             blocks.append((fingerprint, gathered[offset + PLAN_HEADER:offset + PLAN_HEADER + length]))
             offset += PLAN_HEADER + length

@@ -19,13 +19,15 @@ def star_leader(key_index, step, size):
 
 
 class StarLeaders:
-    """STAR leaders over keys whose indices (identical on every rank) are given by ``key_index``."""
+    """STAR leaders over keys whose indices (identical on every rank) are given by ``key_index``; ranks
+    are counted within ``process_set``."""
 
-    def __init__(self, key_index):
+    def __init__(self, key_index, process_set=mpi_ops.global_process_set):
         self.key_index = key_index            # key -> int, the same on every rank
+        self.process_set = process_set
 
     def leader(self, key, step):
-        return star_leader(self.key_index[key], step, mpi_ops.size())
+        return star_leader(self.key_index[key], step, self.process_set.size())
 
     def observe(self, sq_norm):
         """Nothing to learn: STAR ignores the accumulators."""
@@ -44,8 +46,8 @@ class VarLeaders(StarLeaders):
     """VAR: the rank with the largest EWMA of its step's squared accumulator norm leads every tensor;
     the lowest rank wins ties. Scores travel in one asynchronous allgather per step, named ``name``."""
 
-    def __init__(self, key_index, name):
-        super().__init__(key_index)
+    def __init__(self, key_index, name, process_set=mpi_ops.global_process_set):
+        super().__init__(key_index, process_set)
         self.name = name
         self.score = 0.0                      # this rank's EWMA of the squared accumulator norm
         self.step_sq_norm = 0.0               # this step's sum so far
@@ -64,10 +66,10 @@ class VarLeaders(StarLeaders):
     def end_step(self):
         """Fold this step's norm into the score and start sharing it (every rank, every step)."""
         self._receive()                       # a step that picked no leader left the last one unread
-        if mpi_ops.size() > 1:
+        if self.process_set.size() > 1:
             self.score = (1 - VAR_EWMA_WEIGHT) * self.score + VAR_EWMA_WEIGHT * self.step_sq_norm
             self.handle = mpi_ops.allgather_async(torch.tensor([self.score], dtype=torch.float64),
-                                                  name=f"{self.name}.score")
+                                                  name=f"{self.name}.score", process_set=self.process_set)
         self.step_sq_norm = 0.0
 
     def _receive(self):

@@ -45,19 +45,25 @@ STATE_KEY = "hvd_topk"
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, backward_passes_per_step=1,
-                         op=Average, gradient_predivide_factor=1.0, process_set=mpi_ops.global_process_set,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=mpi_ops.global_process_set, *,
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
                          communication="artopk", leader="star", value_dtype=None, grad_scaler=None,
                          selection="layerwise", adaptive_ratio=None, adaptive_weight=DEFAULT_WEIGHT, auto_every=50,
-                         dense_steps=0, compress="gradient", local_momentum=True, groups=None):
+                         dense_steps=0, compress="gradient", local_momentum=True):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
 
     Args:
         optimizer: a torch optimizer (SGD, Adam, AdamW, ...).
         named_parameters: ``model.named_parameters()``, as for Horovod (names key the per-rank state).
         compression: ``TopKEF`` or ``TopKEF(ratio=..., min_numel=...)``: where ratio and min_numel come from.
-        backward_passes_per_step, op, gradient_predivide_factor, process_set: as in Horovod;
-            op is ``hvd.Average`` or ``hvd.Sum``; only the global process set is supported.
+        backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+            process_set: Horovod's arguments, in Horovod's order and with Horovod's meaning (``groups``
+            below); op is ``hvd.Average`` or ``hvd.Sum``. Sparse gradients (``nn.Embedding(sparse=True)``)
+            go through Horovod's own sparse allreduce, uncompressed, unless ``sparse_as_dense``, which
+            densifies them and then compresses them like any gradient. With a ``process_set`` only its
+            ranks communicate, and every rank counts within it; the others step on their own gradients,
+            as in Horovod. The arguments after ``process_set`` are hvd_topk's and keyword-only.
         momentum_correction: DGC momentum correction + factor masking. None: on when the optimizer has
             momentum > 0 in some group; True with no momentum raises ValueError.
         warmup_steps: DGC warm-up over this many steps, density ratio ** ((t+1)/(W+1)) then ratio.
@@ -119,6 +125,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         ...                                     named_parameters=model.named_parameters(),
         ...                                     compression=TopKEF(ratio=0.001), warmup_epochs=4)
     """
+    if num_groups:
+        warnings.warn("num_groups has been replaced by groups in Horovod", DeprecationWarning)
+        groups = num_groups if groups is None else groups
     compression, momentum_correction, tuner = _checked(
         optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor, process_set,
         momentum_correction, warmup_steps, warmup_epochs, clip_grad_norm, communication, leader, value_dtype,
@@ -130,23 +139,24 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                         grad_scaler)
     state = _build(config, sorted(n for n, _ in named_parameters), compression.ratio,
                    DensitySchedule(compression.ratio, dense_steps, warmup_steps, warmup_epochs), tuner, leader,
-                   Reduction.of(op, gradient_predivide_factor), value_dtype)
+                   Reduction.of(op, gradient_predivide_factor), value_dtype, process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
     return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set, momentum_correction, groups)
+               gradient_predivide_factor, groups, bool(sparse_as_dense), process_set, momentum_correction)
 
 
-def _build(config, names, ratio, schedule, tuner, leader, reduction, value_dtype):
+def _build(config, names, ratio, schedule, tuner, leader, reduction, value_dtype, process_set):
     """The step coordinator and its units. Collective names are identical on all ranks (the ranks create
     their optimizers in the same order) and distinct between optimizers: one optimizer's index sets or
     score may still be in flight in another's step."""
     tag = f"hvd_topk.opt{_build.instances}"
     _build.instances += 1
     key_index = {name: i for i, name in enumerate(names + [GLOBAL_KEY])}     # same on all ranks
-    leaders = VarLeaders(key_index, f"{tag}.var") if leader == "var" else StarLeaders(key_index)
-    index_sets = IndexPipeline(f"{tag}.indices")
-    collectives = Collectives(f"{tag}.group")            # groups set by _init (Horovod's ``groups``)
+    leaders = VarLeaders(key_index, f"{tag}.var", process_set) if leader == "var" else \
+        StarLeaders(key_index, process_set)
+    index_sets = IndexPipeline(f"{tag}.indices", process_set=process_set)
+    collectives = Collectives(f"{tag}.group", process_set=process_set)   # groups: set by _init
     transports = {"artopk": ARTopk(index_sets, leaders, collectives, reduction, value_dtype),
                   "allgather": SparseAllgather(collectives, reduction.op == Average, value_dtype),
                   "dense": Dense(collectives, reduction, value_dtype, name="values"),
@@ -195,8 +205,9 @@ def _checked(optimizer, compression, backward_passes_per_step, op, gradient_pred
     if op not in (Average, Sum):
         raise ValueError("op must be hvd.Average or hvd.Sum (Adasum is not a sum of sparse vectors)")
     check_number("gradient_predivide_factor", gradient_predivide_factor, low=0, low_open=True)
-    if process_set is not mpi_ops.global_process_set:
-        raise ValueError("process_set: only the global process set is supported")
+    if not isinstance(process_set, mpi_ops.ProcessSet) or process_set.process_set_id is None:
+        raise ValueError(f"process_set must be a Horovod ProcessSet registered with hvd.init or "
+                         f"hvd.add_process_set, got {process_set!r}")
     if value_dtype is not None and not (isinstance(value_dtype, torch.dtype) and value_dtype.is_floating_point):
         raise ValueError(f"value_dtype must be a floating torch dtype or None, got {value_dtype!r}")
     if isinstance(compression, type) and issubclass(compression, TopKEF):
@@ -207,6 +218,9 @@ def _checked(optimizer, compression, backward_passes_per_step, op, gradient_pred
     check_number("adaptive_weight", adaptive_weight, low=0)
     check_int("auto_every", auto_every, low=2)
     tuner = None
+    if (communication == "auto" or ratios is not None) and process_set is not mpi_ops.global_process_set:
+        raise ValueError("communication='auto' and adaptive_ratio need the global process set (their probe "
+                         "and decisions run over all ranks)")
     if communication == "auto" or ratios is not None:
         tuner = AutoTuner(communication == "auto", ratios, weight=float(adaptive_weight), every=int(auto_every))
     has_momentum = any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
@@ -222,10 +236,11 @@ def _checked(optimizer, compression, backward_passes_per_step, op, gradient_pred
 # -- methods of the dynamic class (Horovod's style: super(self.__class__, self)) ---------------------
 
 def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_step, op,
-          gradient_predivide_factor, process_set, momentum_correction, groups):
+          gradient_predivide_factor, groups, sparse_as_dense, process_set, momentum_correction):
+    # Horovod's groups are not given to Horovod: our Collectives group the transports' collectives.
     _DistributedOptimizer.__init__(self, params, named_parameters, Compression.none,
                                    backward_passes_per_step, op, gradient_predivide_factor,
-                                   None, False, process_set)
+                                   None, sparse_as_dense, process_set)
     self._hvd_topk = hvd_topk_state
     if not self._grad_accs and self.process_set.included():
         self._register_hooks()        # Horovod skips hooks at world size 1; we still need them
@@ -236,7 +251,7 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
     if groups is not None:
         self._hvd_topk.collectives.set_groups(_key_groups(self, groups))
     if momentum_correction:
-        self._hvd_topk.momentum.take_over(self.param_groups, self._parameter_names)
+        self._hvd_topk.momentum.take_over(self.param_groups, self._parameter_names, self.state)
 
 
 def _key_groups(self, groups):
@@ -244,7 +259,9 @@ def _key_groups(self, groups):
     does) into N contiguous groups; a list of lists of parameters gives the groups, every other
     parameter is alone. With global selection the compressed tensors travel in the bucket instead."""
     params = [q for group in self.param_groups for q in group["params"] if q.requires_grad]
-    names = broadcast_object([self._parameter_names[q] for q in params], root_rank=0, name="hvd_topk.groups")
+    ps = self.process_set                     # Horovod's root_rank is a global rank
+    names = broadcast_object([self._parameter_names[q] for q in params], root_rank=ps.ranks[0],
+                             name=f"{self._hvd_topk.tag}.groups", process_set=ps)
     if sorted(names) != sorted(self._parameter_names[q] for q in params):
         raise ValueError("groups: the ranks' models have different parameters")
     if isinstance(groups, list):
@@ -262,13 +279,18 @@ def _allreduce_grad_async(self, p):
         p.grad = p.data.new(p.size()).zero_()
     if self._hvd_topk.compress == "update":
         return (lambda: p.grad), None          # the gradient stays local; step() sends the update
-    return self._hvd_topk.submit(p, self._parameter_names.get(p)), None
+    name = self._parameter_names.get(p)
+    if p.grad.is_sparse and not self.sparse_as_dense:
+        # Horovod's own sparse allreduce (self._compression is Compression.none): passed through
+        handle, _ = _DistributedOptimizer._allreduce_grad_async(self, p)
+        return self._hvd_topk.pass_through(p, name, handle), None
+    return self._hvd_topk.submit(p, name, grad=p.grad.to_dense() if p.grad.is_sparse else None), None
 
 
 def _synchronize(self):
     t0 = time.perf_counter()
     _DistributedOptimizer.synchronize(self)
-    if self._hvd_topk.compress == "update":
+    if self._hvd_topk.compress == "update" or not self.process_set.included():
         return                                 # nothing was sent: the gradients are this rank's own
     if self._hvd_topk.end_step(comm_s=time.perf_counter() - t0):
         # Non-finite somewhere: every gradient of the step is NaN on every rank, so a loss scaler
@@ -279,6 +301,8 @@ def _synchronize(self):
 
 
 def _step(self, closure=None):
+    if not self.process_set.included():        # as Horovod: a rank outside the set steps on its own
+        return super(self.__class__, self).step(closure)
     if self._should_synchronize:
         if self._synchronized:
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -291,7 +315,8 @@ def _step(self, closure=None):
         warnings.warn("hvd_topk: a gradient was non-finite on some rank; the step is skipped on every "
                       "rank and residuals are unchanged")
         return None
-    return super(self.__class__, self).step(closure)
+    with self._hvd_topk.momentum.hidden():
+        return super(self.__class__, self).step(closure)
 
 
 def _zero_grad(self, set_to_none=True):

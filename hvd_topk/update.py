@@ -27,8 +27,10 @@ def update_step(opt, closure):
               if q.requires_grad and q.grad is not None]
     # Agree on finiteness before anything changes: a non-finite gradient on any rank skips the step on
     # every rank, with the local optimizer's state (Adam's moments) and the residuals untouched.
-    bad = sum(1 for q in params if not bool(torch.isfinite(q.grad).all()))
-    if mpi_ops.allreduce(torch.tensor([float(bad)]), name="hvd_topk.update.finite", op=Sum).item() > 0:
+    bad = sum(1 for q in params
+              if not bool(torch.isfinite(q.grad.coalesce().values() if q.grad.is_sparse else q.grad).all()))
+    if mpi_ops.allreduce(torch.tensor([float(bad)]), name="hvd_topk.update.finite", op=Sum,
+                         process_set=opt.process_set).item() > 0:
         state.nonfinite = True
         state.end_step(comm_s=time.perf_counter() - t0)
         warnings.warn("hvd_topk: a gradient was non-finite on some rank; the step is skipped on every "
@@ -36,7 +38,7 @@ def update_step(opt, closure):
         return None
     if state.clip_grad_norm is not None:
         for q in params:
-            q.grad.copy_(clip_local(q.grad, state.clip_grad_norm))
+            q.grad.copy_(clip_local(q.grad, state.clip_grad_norm, opt.process_set.size()))
     before = [q.detach().clone() for q in params]
     dense = state.schedule.density(state.step) >= 1.0
     saved = [] if state.local_momentum or dense else _drop_momentum(opt.param_groups)

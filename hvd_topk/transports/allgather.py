@@ -6,7 +6,6 @@ rides as one extra entry at index n (one past the end): the sum there is the fla
 grow with the number of ranks: it receives (P - 1) * k pairs.
 """
 import torch
-from horovod.torch import mpi_ops
 
 from ..comm import finite_flag, flag_raised
 from ..sparsify import sq_norm_finite, topk_indices
@@ -48,6 +47,6 @@ class SparseAllgather:
                 return Outcome(None, sent)
             dense = dense[:-1]
             if self.average:
-                dense.mul_(1.0 / mpi_ops.size())
+                dense.mul_(1.0 / self.collectives.process_set.size())
             return Outcome(dense, sent)
         return Started(vbuf.numel() * vbuf.element_size() + INDEX_BYTES * k, sq_norm_finite(values)[0], finish)
