@@ -223,12 +223,15 @@ def _checked(optimizer, compression, backward_passes_per_step, op, gradient_pred
                          "and decisions run over all ranks)")
     if communication == "auto" or ratios is not None:
         tuner = AutoTuner(communication == "auto", ratios, weight=float(adaptive_weight), every=int(auto_every))
-    has_momentum = any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
+    # DGC's correction is SGD's momentum, on the raw gradient; RMSprop's momentum acts after its
+    # normalisation, so correcting it would change what the optimizer computes.
+    has_momentum = isinstance(optimizer, torch.optim.SGD) and \
+        any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
     if momentum_correction is None:
         momentum_correction = has_momentum and compress == "gradient"
     elif momentum_correction and not has_momentum:
-        raise ValueError("momentum_correction=True needs an optimizer with momentum > 0 "
-                         f"(got {type(optimizer).__name__} without momentum)")
+        raise ValueError("momentum_correction=True needs an optimizer with momentum > 0: torch.optim.SGD "
+                         f"or a subclass (got {type(optimizer).__name__} without SGD's momentum)")
     _check_groups(groups, optimizer)
     return compression, bool(momentum_correction), tuner
 
@@ -307,7 +310,9 @@ def _step(self, closure=None):
         if self._synchronized:
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                           "optimizer.synchronize(); this synchronizes twice")
-        self.synchronize()
+            _average_again(self)
+        else:
+            self.synchronize()
     self._synchronized = False
     if self._hvd_topk.compress == "update":
         return update_step(self, closure)
@@ -317,6 +322,24 @@ def _step(self, closure=None):
         return None
     with self._hvd_topk.momentum.hidden():
         return super(self.__class__, self).step(closure)
+
+
+def _average_again(self):
+    """A second synchronize() in one step, as Horovod does it: the gradients (already aggregated, maybe
+    clipped since) are averaged once more, uncompressed; the step, residuals and velocities stay as the
+    first synchronize() left them."""
+    params = sorted((q for q in self._requires_update if q.grad is not None), key=self._parameter_names.get)
+    if not params:
+        return
+    r = Reduction.of(self.op, self.gradient_predivide_factor)
+    grads = [q.grad.to_dense() if q.grad.is_sparse else q.grad for q in params]
+    outs = mpi_ops.grouped_allreduce(grads, name=f"{self._hvd_topk.tag}.again", op=r.op, prescale_factor=r.prescale,
+                                     postscale_factor=r.postscale, process_set=self.process_set)
+    for q, out in zip(params, outs):
+        if q.grad.is_sparse:
+            q.grad.zero_().add_(out.to_sparse())
+        else:
+            q.grad.copy_(out)
 
 
 def _zero_grad(self, set_to_none=True):

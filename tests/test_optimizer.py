@@ -98,16 +98,21 @@ def test_momentum_correction_needs_momentum(hvd):
                                           momentum_correction=True)
 
 
-def test_momentum_correction_moves_momentum_out_of_the_inner_optimizer(hvd):
+def test_momentum_correction_keeps_the_users_settings_visible_and_hides_them_from_the_inner_step(hvd):
     model = nn.Linear(4, 4)
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
     opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters())
     group = opt.param_groups[0]
-    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.0, False, 0.0)
+    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.9, True, 1e-4)
     assert opt._hvd_topk.momentum.settings["weight"] == (0.9, 0.0, True, 1e-4)
-    adam = hvd_topk.DistributedOptimizer(torch.optim.Adam(model.parameters()),
-                                         named_parameters=model.named_parameters())
-    assert adam._hvd_topk.momentum.settings == {}
+    with opt._hvd_topk.momentum.hidden():
+        assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.0, False, 0.0)
+    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.9, True, 1e-4)
+    group["momentum"] = 0.5                               # a scheduler's change is read at the next step
+    assert opt._hvd_topk.momentum.settings["weight"].momentum == 0.5
+    for other in (torch.optim.Adam(model.parameters()), torch.optim.RMSprop(model.parameters(), momentum=0.9)):
+        plain = hvd_topk.DistributedOptimizer(other, named_parameters=model.named_parameters())
+        assert plain._hvd_topk.momentum.settings == {}, type(other).__name__   # not SGD's momentum
 
 
 def test_warmup_schedule_is_dgc_exponential(hvd):
@@ -333,7 +338,11 @@ def test_momentum_correction_matches_float64_reference(run_ranks, nesterov):
                         "--weight-decay", wd, *(["--nesterov"] if nesterov else []))
     assert_identical_across_ranks(results)
     params = {n: v.clone() for n, v in results[0]["initial"].items()}
-    u = [{} for _ in results]
+    # The velocities start from SGD's momentum buffers that Horovod's broadcast_optimizer_state created
+    # (its step with zero gradients: wd * p), as stock Horovod's SGD does.
+    u = [{n: b.reshape(-1).clone() for (_, n, key), b in res["initial_inner"].items() if key == "momentum_buffer"}
+         for res in results]
+    assert wd == 0 or all(u), "the weight decay's buffers are expected"
     v = [{} for _ in results]
     for t in range(25):
         update = {n: torch.zeros_like(p) for n, p in params.items()}

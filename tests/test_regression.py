@@ -4,7 +4,8 @@ trains 30 steps on 2 ranks and must end with parameters bit-identical to the ref
 ``tests/data/regression_digests.json``.
 
 The reference was recorded from the core as it was before its redesign into transport classes (commit
-5f2b8d7), with torch 2.13.0 (CPU build) on one thread. On a machine whose CPU kernels round differently,
+5f2b8d7), with torch 2.13.0 (CPU build) on one thread; the one entry changed on purpose since is named,
+with the reason, under "changes" in the file. On a machine whose CPU kernels round differently,
 re-record it from that commit: ``horovodrun -np 2 -H localhost:2 --gloo python tests/workers/regression.py
 --out /tmp/ref --record tests/data/regression_digests.json`` run in a checkout of 5f2b8d7.
 """

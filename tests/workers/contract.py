@@ -149,7 +149,9 @@ def gan():
 
 def sync_twice():
     model = mlp(16, 32, 32, 1)
-    opt = distributed(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+    # Without momentum: with momentum correction, what synchronize() hands out (and the user clips) is
+    # the aggregated velocity, not the gradient (docs/optimizer.md).
+    opt = distributed(torch.optim.SGD(model.parameters(), lr=0.05), model)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     for step in range(args.steps):

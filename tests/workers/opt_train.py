@@ -103,6 +103,7 @@ def inner_state(o):
             if torch.is_tensor(v)}
 
 
+initial_inner = inner_state(opt)   # Horovod's broadcast_optimizer_state may have started SGD's buffers
 current = {"step": -1}
 model[2].weight.register_hook(
     lambda g: g * float("nan") if (args.overflow_one_tensor and current["step"] == args.overflow_step
@@ -154,6 +155,7 @@ for step in range(start, args.steps):
         break
 
 result = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}, "initial": initial,
+          "initial_inner": initial_inner,
           "grads": grads, "stats": stats, "skipped": skipped}
 if args.mode == "hvd_topk":
     result["state"] = opt.state_dict()["hvd_topk"]
