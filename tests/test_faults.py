@@ -61,7 +61,8 @@ def run_killed_job(tmp_path, np, backend, mode):
     return returned - killed, gone - killed, failed.value
 
 
-@pytest.mark.parametrize("backend,mode", [("gloo", "hvd_topk"), ("mpi", "topkef")])
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("mode", ["hvd_topk", "topkef"])
 def test_sigkilled_rank_ends_every_rank(tmp_path, record_property, backend, mode):
     """3 ranks, rank 1 SIGKILLed between backward and step(): the job fails and the other ranks
     (inside the step's collectives) are gone within 60 s."""
