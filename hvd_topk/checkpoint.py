@@ -125,6 +125,8 @@ def _read_checkpoint(target):
         raise CheckpointError(f"{target}: unreadable checkpoint file ({type(e).__name__}: {e}); "
                               "the file was left as it is") from e
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    missing += [f"{k} as a dict" for k in ("model", "optimizer", "extra")
+                if not missing and not isinstance(state[k], dict)]
     if missing:
         raise CheckpointError(f"{target}: not a checkpoint written by hvd_topk.save_checkpoint "
                               f"(missing {', '.join(missing)})")

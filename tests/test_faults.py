@@ -189,11 +189,16 @@ def not_ours(path):
     torch.save({"model": {}, "epoch": 3}, path)
 
 
+def not_dicts(path):
+    torch.save(dict.fromkeys(["world_size", "rank", "model", "optimizer", "extra"], 1), path)
+
+
 @pytest.mark.parametrize("damage,match", [
     (truncate, "truncated or corrupted checkpoint file"),
     (flip_middle, "corrupted checkpoint file"),
     (not_an_archive, "truncated or corrupted checkpoint file"),
     (not_ours, "not a checkpoint written by hvd_topk.save_checkpoint"),
+    (not_dicts, r"not a checkpoint written by hvd_topk.save_checkpoint \(missing model as a dict"),
 ])
 def test_damaged_checkpoint_is_refused_and_nothing_changes(hvd, saved, damage, match):
     """A damaged file: CheckpointError (a ValueError) naming the file; the file, the model and the
