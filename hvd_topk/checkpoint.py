@@ -2,12 +2,23 @@
 
 The usual "rank 0 saves the optimizer" habit throws the other ranks' error-feedback state away.
 """
+import contextlib
 import os
+import zipfile
 
 import torch
 from horovod.torch import mpi_ops
 
-__all__ = ["rank_path", "save_checkpoint", "load_checkpoint"]
+__all__ = ["CheckpointError", "rank_path", "save_checkpoint", "load_checkpoint"]
+
+# What save_checkpoint writes; a file without these keys was written by something else.
+REQUIRED_KEYS = ("world_size", "rank", "model", "optimizer", "extra")
+STATE_KEY = "hvd_topk"          # hvd_topk.DistributedOptimizer's per-rank state inside its state_dict
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used: truncated, corrupted, unreadable, not written by
+    ``save_checkpoint``, or written by another job (world size, rank) or for another model."""
 
 
 def rank_path(path, rank=None, size=None):
@@ -20,8 +31,9 @@ def rank_path(path, rank=None, size=None):
 def save_checkpoint(path, model, optimizer, **extra):
     """Write this rank's model, optimizer (with hvd_topk residuals) and ``extra`` to its own file.
 
-    Every rank must call it. The file is written to a temporary name and renamed, so a job killed
-    mid-write leaves the previous checkpoint intact.
+    Every rank must call it. The file is written to a temporary name, flushed to disk and renamed, so
+    a job killed mid-write leaves the previous checkpoint intact. Every record of the file carries a
+    CRC-32, which ``load_checkpoint`` verifies.
 
     Args:
         path: file path (``{rank}`` may appear in it; otherwise ``.rank<r>-of-<size>`` is appended).
@@ -38,8 +50,12 @@ def save_checkpoint(path, model, optimizer, **extra):
     target = rank_path(path)
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
     tmp = f"{target}.tmp"
-    torch.save({"world_size": mpi_ops.size(), "rank": mpi_ops.rank(), "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "extra": extra}, tmp)
+    state = {"world_size": mpi_ops.size(), "rank": mpi_ops.rank(), "model": model.state_dict(),
+             "optimizer": optimizer.state_dict(), "extra": extra}
+    with _crc32_on(), open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, target)
     return target
 
@@ -47,22 +63,127 @@ def save_checkpoint(path, model, optimizer, **extra):
 def load_checkpoint(path, model, optimizer):
     """Restore what ``save_checkpoint`` wrote for this rank; returns its ``extra`` dict.
 
+    Every rank must call it: the ranks agree (one small allgather) that every rank's file is readable
+    and fits before any rank loads anything, so a damaged file on one rank fails the job on every rank
+    at once, with the model and optimizer untouched everywhere and no file written.
+
+    Policies:
+        - another world size: refused (residuals are per rank and are never silently re-split).
+        - another model (parameter names or shapes, parameter groups, the optimizer's named tensors or
+          selection): refused.
+        - another ``TopKEF(ratio=...)``: allowed. The residuals and velocities are still valid
+          error-feedback state; the optimizer's new ratio applies from the next step (the AR-Topk
+          index set prepared for the old size is replaced by a spread set of the new size, identical
+          on every rank). With the same configured ratio, the ratio in use is restored (the adaptive
+          ratio may have moved it). A stock-Horovod ``TopKEF``'s own ``load_state_dict`` keeps the
+          compressor's ratio too.
+
     Raises:
         FileNotFoundError: this rank's file is missing.
-        ValueError: the checkpoint was written by a job with another number of ranks, or for another
-            model (residuals are per rank and per parameter; they are never silently re-split).
+        CheckpointError (a ValueError): this rank's file is truncated, corrupted (a record fails its
+            CRC-32 check) or unreadable, was not written by ``save_checkpoint``, was written by a job
+            with another number of ranks, or for another model; or another rank's file is one of those
+            (the message names the ranks). The message names the file.
     """
     target = rank_path(path)
-    if not os.path.exists(target):
-        raise FileNotFoundError(f"no checkpoint for rank {mpi_ops.rank()} of {mpi_ops.size()}: {target} "
-                                "(was it written with another number of ranks?)")
-    state = torch.load(target, map_location="cpu", weights_only=False)
-    if state["world_size"] != mpi_ops.size() or state["rank"] != mpi_ops.rank():
-        raise ValueError(f"{target} was written by rank {state['rank']} of {state['world_size']}, "
-                         f"this is rank {mpi_ops.rank()} of {mpi_ops.size()}")
+    try:
+        state, error = _read_checkpoint(target), None
+        _check_fits(target, state, model, optimizer)
+    except Exception as e:          # any failure: the other ranks must hear of it, not wait for us
+        state, error = None, e
+    failed = _failed_ranks(error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{target} was not loaded: the checkpoint of rank(s) "
+                              f"{', '.join(map(str, failed))} of {mpi_ops.size()} could not be loaded (see "
+                              "their error); nothing was loaded on any rank")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return state["extra"]
+
+
+def _read_checkpoint(target):
+    """The dict ``save_checkpoint`` wrote to ``target``, after checking the file's integrity."""
+    if not os.path.exists(target):
+        raise FileNotFoundError(f"no checkpoint for rank {mpi_ops.rank()} of {mpi_ops.size()}: {target} "
+                                "(was it written with another number of ranks?)")
+    # torch.load does not verify the archive's CRC-32s: flipped bytes in tensor data would load as
+    # silently wrong weights or residuals. zipfile checks every record.
+    try:
+        with zipfile.ZipFile(target) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{target}: truncated or corrupted checkpoint file (not a complete archive: "
+                              f"{e}); the file was left as it is") from e
+    if bad is not None:
+        raise CheckpointError(f"{target}: corrupted checkpoint file (record {bad} fails its CRC-32 "
+                              "check); the file was left as it is")
+    try:
+        state = torch.load(target, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{target}: unreadable checkpoint file ({type(e).__name__}: {e}); "
+                              "the file was left as it is") from e
+    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    missing += [f"{k} as a dict" for k in ("model", "optimizer", "extra")
+                if not missing and not isinstance(state[k], dict)]
+    if missing:
+        raise CheckpointError(f"{target}: not a checkpoint written by hvd_topk.save_checkpoint "
+                              f"(missing {', '.join(missing)})")
+    return state
+
+
+def _check_fits(target, state, model, optimizer):
+    """CheckpointError unless ``state`` loads into ``model`` and ``optimizer`` as a whole: checked
+    before anything is loaded, so a refused checkpoint leaves both untouched."""
+    if state["world_size"] != mpi_ops.size() or state["rank"] != mpi_ops.rank():
+        raise CheckpointError(f"{target} was written by rank {state['rank']} of {state['world_size']}, "
+                              f"this is rank {mpi_ops.rank()} of {mpi_ops.size()}")
+    mine, theirs = model.state_dict(), state["model"]
+    if set(mine) != set(theirs):
+        raise CheckpointError(f"{target} was written for another model: not in this model: "
+                              f"{sorted(set(theirs) - set(mine))[:5]}, missing from the checkpoint: "
+                              f"{sorted(set(mine) - set(theirs))[:5]}")
+    for name, value in mine.items():
+        if getattr(value, "shape", None) != getattr(theirs[name], "shape", None):
+            raise CheckpointError(f"{target} was written for another model: {name} has shape "
+                                  f"{tuple(theirs[name].shape)} there, {tuple(value.shape)} here")
+    groups = [len(g["params"]) for g in state["optimizer"].get("param_groups", [])]
+    if groups != [len(g["params"]) for g in optimizer.param_groups]:
+        raise CheckpointError(f"{target} was written for an optimizer with other parameter groups "
+                              f"(sizes {groups}, here {[len(g['params']) for g in optimizer.param_groups]})")
+    coordinator = getattr(optimizer, "_hvd_topk", None)
+    if coordinator is not None:
+        ours = state["optimizer"].get(STATE_KEY)
+        if ours is None:
+            raise CheckpointError(f"{target} holds no hvd_topk state (residuals, momentum): it was not "
+                                  "saved from an hvd_topk.DistributedOptimizer")
+        try:
+            check_loadable(coordinator, ours)
+        except ValueError as e:
+            raise CheckpointError(f"{target}: {e}") from e
+
+
+def _failed_ranks(failed):
+    """The ranks on which ``failed`` is true (every rank calls it: one allgather)."""
+    if mpi_ops.size() == 1:
+        return [0] if failed else []
+    flags = mpi_ops.allgather(torch.tensor([int(failed)], dtype=torch.int32), name="hvd_topk.load_checkpoint")
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+@contextlib.contextmanager
+def _crc32_on():
+    """Write CRC-32s even if the user switched them off (torch.serialization.set_crc32_options)."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    if get is None or get():
+        yield
+        return
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(False)
 
 
 # -- the optimizer's per-rank state, inside ``optimizer.state_dict()['hvd_topk']`` ----------------------
@@ -78,6 +199,7 @@ def coordinator_state(c):
             "velocities": c.momentum.state_dict(), "index_sets": c.index_sets.state_dict(),
             "score": leaders.get("score", 0.0), "scores": leaders.get("scores"),
             "ratio": schedule["ratio"], "ratio_change": schedule["ratio_change"],
+            "configured_ratio": schedule["configured_ratio"],
             "tuner": None if c.tuner is None else c.tuner.state_dict()}
 
 

@@ -20,7 +20,7 @@ from horovod.torch.optimizer import _DistributedOptimizer
 
 from .auto import DEFAULT_RATIOS, DEFAULT_WEIGHT, AutoTuner
 from .bucket import GLOBAL_KEY, GlobalBucket
-from .checkpoint import check_loadable, coordinator_state, load_coordinator_state
+from .checkpoint import STATE_KEY, check_loadable, coordinator_state, load_coordinator_state
 from .comm import Collectives, Reduction
 from .compression import TopKEF
 from .coordinator import StepConfig, StepCoordinator, StepUnits
@@ -41,7 +41,6 @@ COMMUNICATIONS = ("artopk", "allgather", "dense", "auto")
 COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
-STATE_KEY = "hvd_topk"
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, backward_passes_per_step=1,

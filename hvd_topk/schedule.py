@@ -16,6 +16,7 @@ class DensitySchedule:
 
     def __init__(self, ratio, dense_steps=0, warmup_steps=0, warmup_epochs=0):
         self.ratio = ratio                    # moved by the adaptive ratio (identical on all ranks)
+        self.configured_ratio = ratio         # TopKEF(ratio=...) as given: tells a resume with a new ratio
         self.ratio_change = None              # (first step, ratio): a decided change not yet in effect
         self.dense_steps = dense_steps        # the first steps send everything
         self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
@@ -51,9 +52,16 @@ class DensitySchedule:
             self.ratio, self.ratio_change = self.ratio_change[1], None
 
     def state_dict(self):
-        return {"ratio": self.ratio, "ratio_change": self.ratio_change, "epoch": self.epoch}
+        return {"ratio": self.ratio, "ratio_change": self.ratio_change, "epoch": self.epoch,
+                "configured_ratio": self.configured_ratio}
 
     def load_state_dict(self, state):
+        """Restore the ratio in use (the adaptive ratio may have moved it), unless the checkpoint was
+        written with another configured ratio: then the user chose a new one, and it applies from the
+        next step (the residuals stay valid error feedback whatever k sends them; a pending AR-Topk
+        index set of the old size is replaced by a spread set of the new size, the same on every rank)."""
+        self.epoch = state["epoch"]
+        if state.get("configured_ratio", state.get("ratio", self.ratio)) != self.configured_ratio:
+            return
         self.ratio = state.get("ratio", self.ratio)
         self.ratio_change = state.get("ratio_change")
-        self.epoch = state["epoch"]

@@ -341,6 +341,46 @@ def test_mpirun_launcher_requeues_hvd_topk(cluster):
         assert state["optimizer"]["hvd_topk"], "hvd_topk residuals missing from the optimizer state"
 
 
+def _rank_alive(pid, marker):
+    """Whether ``pid`` still runs a rank whose command line holds ``marker`` (zombies are dead)."""
+    import psutil
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and marker in " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+@needs_root
+def test_sigkilled_rank_ends_the_job_step(cluster, record_property):
+    """srun --mpi=pmix through slurm/train_cpu.sbatch, 2 ranks: rank 1 SIGKILLs itself between backward
+    and step() (tests/workers/faults.py); the step exits non-zero, the job fails without a requeue,
+    and rank 0, inside the step's collectives, is gone within 60 s of the kill."""
+    jobs = os.path.join(cluster.base, "jobs")
+    out, data = os.path.join(jobs, "sigkill.out"), os.path.join(jobs, "sigkill")
+    os.makedirs(data)
+    job_id = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", "--time=00:05:00", f"--output={out}",
+                            "slurm/train_cpu.sbatch", "tests/workers/faults.py", "--out", data, "--steps", "200",
+                            "--kill-rank", "1", "--kill-step", "5", env={"PYTHON": sys.executable})
+    killed_at = os.path.join(data, "killed_at")
+    cluster.wait_for("rank 1 to kill itself", lambda: _read(killed_at), JOB_TIMEOUT, poll=0.2)
+    killed = float(_read(killed_at))
+    pids = [int(_read(os.path.join(data, f"pid{r}"))) for r in range(2)]
+    while any(_rank_alive(pid, data) for pid in pids) and time.time() < killed + 90:
+        time.sleep(0.1)
+    gone_s = time.time() - killed
+    info = cluster.wait_done(job_id, out, timeout=120)
+    print(f"\nsrun: last rank gone {gone_s:.1f} s after the SIGKILL")
+    record_property("last_rank_gone_s", round(gone_s, 2))
+    text = _read(out)
+    assert not any(_rank_alive(pid, data) for pid in pids), f"a rank outlived the kill\n{text}"
+    assert gone_s <= 60, f"rank 0 ran {gone_s:.0f} s after rank 1 died\n{text}"
+    step_rc = re.search(r"job_step: step exited with status (\d+)", text)
+    assert step_rc and step_rc.group(1) != "0", f"{info}\n{cluster.logs(out)}"
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{cluster.logs(out)}"
+    assert not any(os.path.exists(os.path.join(data, f"rank{r}.pt")) for r in range(2))
+
+
 @needs_root
 def test_sweep_submits_an_array_and_collects_a_table(cluster, tmp_path):
     """slurm/sweep.py: a 2-point grid as a job array (1 rank per task), then results.csv/.md."""
