@@ -8,6 +8,15 @@ by a leader rank (STAR: round robin), and the k values (+ one flag) are allreduc
 How the index set is shared without a blocking collective per parameter: see ``index_sets.IndexPipeline``
 (one step stale: one asynchronous allgather per step carries every tensor's set; ``sync_indices=True``
 broadcasts inside compress and waits). Which parameter a gradient belongs to: ``gradient_keys``.
+
+Non-finite gradients: if any rank's ``acc`` holds NaN/Inf, every rank learns it from a flag that rides
+in the same allreduce (dense pass-through tensors show it in their sum); then every gradient of that
+step is all NaN on every rank (so a loss scaler or ``isfinite`` check skips the step everywhere) and
+every rank keeps all its residuals untouched.
+
+Sparse gradients (``nn.Embedding(sparse=True)``) that Horovod sends with its own sparse allreduce
+(``sparse_as_dense=False``) pass through untouched; with ``sparse_as_dense=True`` Horovod hands
+``compress`` the densified gradient, which is compressed like any other.
 """
 import math
 from typing import Hashable, NamedTuple, Optional
@@ -63,11 +72,6 @@ class TopKEF(Compressor):
     entries zeroed. Tensors with fewer than ``min_numel`` elements, and non-floating tensors, pass
     through unchanged (dense).
 
-    Non-finite gradients: if any rank's ``acc`` holds NaN/Inf, every rank learns it from a flag that
-    rides in the same allreduce (dense pass-through tensors show it in their sum); then every
-    gradient of that step is all NaN on every rank (so a loss scaler or ``isfinite`` check skips the
-    step everywhere) and every rank keeps all its residuals untouched.
-
     Args:
         ratio: fraction of elements kept per tensor, in (0, 1]. 1.0 sends everything (dense result).
         min_numel: tensors with fewer elements go dense; >= 0.
@@ -78,10 +82,6 @@ class TopKEF(Compressor):
             Without it they are keyed by position in the step, which must then be the same every step
             and on every rank (if the ranks' orders differ, every rank raises, naming this argument).
         process_set: the optimizer's ``process_set``, if it has one: the index sets are shared within it.
-
-    Sparse gradients (``nn.Embedding(sparse=True)``) that Horovod sends with its own sparse allreduce
-    (``sparse_as_dense=False``) pass through untouched; with ``sparse_as_dense=True`` Horovod hands
-    ``compress`` the densified gradient, which is compressed like any other.
 
     Example:
         >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),

@@ -88,29 +88,15 @@ class StepCoordinator:
         if not self.is_sparse(p):
             started = self.transports["plain"].start(name, g)
             self.stats.add_sent(started.nbytes, 0.0, 0.0, dense=True)
-            return lambda: self._hand_out(name, p, started.finish().aggregate, None, u_new)
+            return lambda: self.hand_out(name, p, started.finish().aggregate, None, u_new)
         if self.selection == "global":
             self.bucket.add(name, p, g, u_new)
-            return lambda: self._hand_out(name, *self.bucket.output(name, self._send_bucket))
+            return lambda: self.hand_out(name, *self.bucket.output(name, self._send_bucket))
         pending = self._start(name, g)
         self.sent_keys.add(name)
         if len(self.sent_keys) == len(self.sparse_numels):
             self.index_sets.flush()           # the step's last compressed tensor (step 2)
-        return lambda: self._hand_out(name, p, *self._finish(name, pending), u_new)
-
-    def pass_through(self, p, name, wait):
-        """A gradient Horovod aggregates itself (sparse): ``done`` applies momentum correction to the
-        aggregate, if p's group has it (linear, so the same as before the sum, as for dense tensors)."""
-        def done():
-            out = wait()
-            if name not in self.momentum.groups:
-                return out
-            g = out.to_dense().reshape(-1)
-            if self.grad_scaler is not None:
-                g = g * (1.0 / self.grad_scaler.get_scale())
-            g, u_new = self.momentum.correct(name, g, p)
-            return self._hand_out(name, p, g, None, u_new)
-        return done
+        return lambda: self.hand_out(name, p, *self._finish(name, pending), u_new)
 
     def _start(self, key, g):
         """Start sending the flat accumulator acc = g + residual of ``key``; returns (acc, finish)."""
@@ -151,7 +137,7 @@ class StepCoordinator:
     def _send_bucket(self, flat):
         return self._finish(GLOBAL_KEY, self._start(GLOBAL_KEY, flat))
 
-    def _hand_out(self, name, p, aggregate, sent, u_new):
+    def hand_out(self, name, p, aggregate, sent, u_new):
         """The aggregate as p's gradient (NaN everywhere if some rank was non-finite); queues the velocity."""
         if aggregate is None:
             self.nonfinite = True             # the whole step is skipped (end_step)

@@ -285,8 +285,23 @@ def _allreduce_grad_async(self, p):
     if p.grad.is_sparse and not self.sparse_as_dense:
         # Horovod's own sparse allreduce (self._compression is Compression.none): passed through
         handle, _ = _DistributedOptimizer._allreduce_grad_async(self, p)
-        return self._hvd_topk.pass_through(p, name, handle), None
+        return _momentum_after_sum(self._hvd_topk, p, name, handle), None
     return self._hvd_topk.submit(p, name, grad=p.grad.to_dense() if p.grad.is_sparse else None), None
+
+
+def _momentum_after_sum(state, p, name, wait):
+    """``done`` of a gradient Horovod aggregates itself (sparse): momentum correction, if p's group has
+    it, applies to the aggregate (linear, so the same as before the sum, as for dense tensors)."""
+    def done():
+        out = wait()
+        if name not in state.momentum.groups:
+            return out
+        g = out.to_dense().reshape(-1)
+        if state.grad_scaler is not None:
+            g = g * (1.0 / state.grad_scaler.get_scale())
+        g, u_new = state.momentum.correct(name, g, p)
+        return state.hand_out(name, p, g, None, u_new)
+    return done
 
 
 def _synchronize(self):

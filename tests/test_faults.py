@@ -20,7 +20,7 @@ import torch.nn as nn
 import hvd_topk
 from conftest import ROOT, WORKERS, assert_identical_across_ranks
 from hvd_topk.checkpoint import CheckpointError
-from hvd_topk.launch import JobFailed, run_job
+from bench.infra.launch import JobFailed, run_job
 
 EXIT_LIMIT_S = 60          # every rank gone within this many seconds of one rank's death
 
