@@ -216,9 +216,11 @@ def check_loadable(c, state):
                          f"selection ({state['selection']!r} vs {c.selection!r})")
 
 
-def load_coordinator_state(c, state):
-    """Restore what ``coordinator_state`` returned on this rank."""
-    check_loadable(c, state)
+def load_coordinator_state(c, state, check=True):
+    """Restore what ``coordinator_state`` returned on this rank (``check=False``: from an elastic commit,
+    whatever the world size now: see ``hvd_topk.elastic``)."""
+    if check:
+        check_loadable(c, state)
     c.step = state["step"]
     c.schedule.load_state_dict(state)
     c.residuals.load_state_dict(state["residuals"])

@@ -107,7 +107,7 @@ class TopKEF(Compressor):
         self._nonfinite = False               # some gradient of this step was non-finite somewhere
         self.index_sets = IndexPipeline(f"hvd_topk.TopKEF{TopKEF._instances}.indices", sync=sync_indices,
                                         mismatch_hint=_MISMATCH_HINT if named_parameters is None else "",
-                                        process_set=process_set)
+                                        process_set=process_set, on_leaders_differ=lambda: self.steps.clear())
         self.artopk = ARTopk(self.index_sets, StarLeaders(self.keys.key_index, process_set))
         TopKEF._instances += 1
 
@@ -130,6 +130,16 @@ class TopKEF(Compressor):
         if not tensor.is_floating_point():
             return tensor, _Ctx(dense=True)
         key = self.keys.next_key(tensor)
+        if getattr(self.keys, "interrupted", False):
+            # The abandoned step's candidates are dropped, and so are the index sets and step counters:
+            # the failure may have stopped each rank at another point of that step (one flushed its
+            # sets, another did not), so only an empty start is the same on every rank.
+            self._commits, self._outputs, self._nonfinite, self.keys.interrupted = [], [], False, False
+            self.index_sets.forget()
+            self.steps.clear()
+        # Before a step counter is read: if the ranks' counters differ (a rank joined an elastic job),
+        # every rank learns it here and clears them (IndexPipeline), so the leaders agree from now on.
+        self.index_sets.receive()
         if tensor.numel() < self.min_numel:
             return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
         step = self.steps.get(key, 0)

@@ -31,6 +31,7 @@ class ParameterKeys:
         self.previous = None       # keys of the last complete step
         self.pending = 0           # compressed but not yet decompressed in the current step
         self.decompressing = False
+        self.interrupted = False   # the last step was abandoned (a failed collective, an elastic reset)
 
     def next_key(self, tensor):
         """The name of the parameter whose gradient ``tensor`` is."""
@@ -41,6 +42,10 @@ class ParameterKeys:
             name = self.by_grad.get(id(tensor))
             if name is None or self.params[name].grad is not tensor:
                 name = self._densified(tensor)
+        if name in self.keys and not self.decompressing:
+            # Compressed twice with no decompress between: Horovod never finished the last step (its
+            # collective failed and elastic Horovod reset); this is a new step.
+            self.keys, self.pending, self.interrupted = [], 0, True
         self.keys.append(name)
         self.pending += 1
         return name

@@ -15,11 +15,13 @@ from .sparsify import spread_indices, topk_indices
 
 __all__ = ["IndexPipeline", "PLAN_HEADER"]
 
-# Every rank's block of the allgather starts with [number of index entries, fingerprint of its plan]:
-# blocks of any length can be split, and every rank sees whether all ranks meant the same (key, k,
-# leader) plan. If not (ranks keyed their tensors differently), every rank raises the same error
-# instead of applying a set to the wrong tensor or waiting forever.
-PLAN_HEADER = 2
+# Every rank's block of the allgather starts with [number of index entries, fingerprint of its (key, k)
+# list, fingerprint of its leaders]: blocks of any length can be split, and every rank sees whether all
+# ranks meant the same plan. If the keys differ (ranks keyed their tensors differently), every rank
+# raises the same error instead of applying a set to the wrong tensor or waiting forever. If only the
+# leaders differ (the ranks' step counters differ: a rank joined an elastic job), every rank drops the
+# sets and, given ``on_leaders_differ``, realigns its counters; without it, raises.
+PLAN_HEADER = 3
 
 
 class IndexPipeline:
@@ -36,9 +38,11 @@ class IndexPipeline:
         sync: broadcast the current step's index set inside ``select`` and wait for it, instead.
     """
 
-    def __init__(self, name, sync=False, mismatch_hint="", process_set=mpi_ops.global_process_set):
+    def __init__(self, name, sync=False, mismatch_hint="", process_set=mpi_ops.global_process_set,
+                 on_leaders_differ=None):
         self.name = name
         self.sync = sync
+        self.on_leaders_differ = on_leaders_differ   # called on every rank when only the leaders differ
         self.process_set = process_set         # the ranks that share the sets; ranks count within it
         self.mismatch_hint = mismatch_hint     # what to do when the ranks' plans differ
         self.outgoing = {}         # key -> (k, leader, int32 set or None): picked this step, not yet sent
@@ -99,11 +103,16 @@ class IndexPipeline:
             return
         device = mine[0].device if mine else torch.device("cpu")
         sets = torch.cat(mine) if mine else torch.empty(0, dtype=torch.int32, device=device)
-        header = torch.tensor([sets.numel(), zlib.crc32(repr(plan).encode()) & 0x7FFFFFFF], dtype=torch.int32,
-                              device=device)
+        keys = [(key, k) for key, k, _ in plan]
+        header = torch.tensor([sets.numel(), _fingerprint(keys), _fingerprint([p[2] for p in plan])],
+                              dtype=torch.int32, device=device)
         block = torch.cat([header, sets])
         self.in_flight = (mpi_ops.allgather_async(block.reshape(-1, 1), name=f"{self.name}.sets",
                                                   process_set=self.process_set), plan)
+
+    def receive(self):
+        """Wait for the sets shared at the last flush, if any (``select`` does it too)."""
+        self._receive()
 
     def _receive(self):
         """Wait for the last flush's allgather and split it into ``ready`` by its plan."""
@@ -111,24 +120,42 @@ class IndexPipeline:
             return
         handle, plan = self.in_flight
         self.in_flight = None
-        gathered = mpi_ops.synchronize(handle).reshape(-1)
+        gathered = mpi_ops.synchronize(handle)
+        if gathered is None:                   # Horovod was re-initialised since (an elastic reset):
+            self.ready = {}                    # every rank's flush died with it, so every rank starts
+            return                             # the next step from the spread set
+        gathered = gathered.reshape(-1)
         blocks, offset = [], 0
         for _ in range(self.process_set.size()):
-            length, fingerprint = int(gathered[offset]), int(gathered[offset + 1])
-            blocks.append((fingerprint, gathered[offset + PLAN_HEADER:offset + PLAN_HEADER + length]))
+            length = int(gathered[offset])
+            blocks.append((tuple(gathered[offset + 1:offset + PLAN_HEADER].tolist()),
+                           gathered[offset + PLAN_HEADER:offset + PLAN_HEADER + length]))
             offset += PLAN_HEADER + length
-        differ = [r for r, (fingerprint, _) in enumerate(blocks) if fingerprint != blocks[0][0]]
-        if differ:
-            hint = self.mismatch_hint or "the ranks must give their tensors the same keys"
-            raise ValueError(f"hvd_topk: rank(s) {differ} shared AR-Topk index sets for other tensors than rank "
-                             f"0 did ({len(plan)} sets on this rank); {hint}")
         self.ready = {}
+        if not self._plans_agree([fingerprints for fingerprints, _ in blocks], len(plan)):
+            return
         for rank, (_, sets) in enumerate(blocks):   # rank r's block: the sets it leads, in key order
             offset = 0
             for key, k, leader in plan:
                 if leader == rank:
                     self.ready[key] = sets[offset:offset + k]
                     offset += k
+
+    def _plans_agree(self, fingerprints, n_sets):
+        """True if every rank meant rank 0's plan; else raise, or drop the sets if only leaders differ."""
+        differ = [r for r, f in enumerate(fingerprints) if f[0] != fingerprints[0][0]]
+        if differ:
+            hint = self.mismatch_hint or "the ranks must give their tensors the same keys"
+            raise ValueError(f"hvd_topk: rank(s) {differ} shared AR-Topk index sets for other tensors than rank "
+                             f"0 did ({n_sets} sets on this rank); {hint}")
+        leaders_differ = [r for r, f in enumerate(fingerprints) if f[1] != fingerprints[0][1]]
+        if leaders_differ and self.on_leaders_differ is None:
+            raise ValueError(f"hvd_topk: rank(s) {leaders_differ} count steps differently from rank 0 (a rank "
+                             "joined without the others' state: with elastic Horovod, pass the optimizer to "
+                             "hvd.elastic.TorchState)")
+        if leaders_differ:
+            self.on_leaders_differ()
+        return not leaders_differ
 
     def state_dict(self):
         """The sets shared for the next step (waits for the allgather in flight); call it after the
@@ -139,6 +166,16 @@ class IndexPipeline:
         self._receive()
         return {key: buf.clone() for key, buf in self.ready.items()}
 
+    def forget(self):
+        """Drop every set, shared or in flight: the ranks changed (elastic), so every rank starts from the
+        spread set."""
+        self.outgoing, self.in_flight, self.ready = {}, None, {}
+
     def load_state_dict(self, state):
         self.outgoing, self.in_flight = {}, None
         self.ready = {key: buf.clone() for key, buf in state.items()}
+
+
+def _fingerprint(values):
+    """A 31-bit fingerprint of ``values``' repr, identical on every rank for equal values."""
+    return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF

@@ -41,6 +41,9 @@ class StarLeaders:
     def load_state_dict(self, state):
         pass
 
+    def forget(self):
+        """The ranks changed (elastic): nothing of STAR depends on the old ones."""
+
 
 class VarLeaders(StarLeaders):
     """VAR: the rank with the largest EWMA of its step's squared accumulator norm leads every tensor;
@@ -74,8 +77,13 @@ class VarLeaders(StarLeaders):
 
     def _receive(self):
         if self.handle is not None:
-            self.scores = mpi_ops.synchronize(self.handle).reshape(-1)
+            scores = mpi_ops.synchronize(self.handle)   # None: Horovod was re-initialised since
+            self.scores = None if scores is None else scores.reshape(-1)
             self.handle = None
+
+    def forget(self):
+        """The ranks changed (elastic): the gathered scores were the old ranks'; STAR until new ones."""
+        self.scores, self.handle = None, None
 
     def state_dict(self):
         self._receive()

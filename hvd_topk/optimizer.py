@@ -24,6 +24,7 @@ from .checkpoint import STATE_KEY, check_loadable, coordinator_state, load_coord
 from .comm import Collectives, Reduction
 from .compression import TopKEF
 from .coordinator import StepConfig, StepCoordinator, StepUnits
+from . import elastic
 from .dgc import MomentumCorrection
 from .index_sets import IndexPipeline
 from .leaders import StarLeaders, VarLeaders
@@ -139,7 +140,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     state = _build(config, sorted(n for n, _ in named_parameters), compression.ratio,
                    DensitySchedule(compression.ratio, dense_steps, warmup_steps, warmup_epochs), tuner, leader,
                    Reduction.of(op, gradient_predivide_factor), value_dtype, process_set)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    elastic.register()                   # hvd.elastic.TorchState(optimizer=...) then uses hvd_topk.elastic
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticOptimizer),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
     return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,
                gradient_predivide_factor, groups, bool(sparse_as_dense), process_set, momentum_correction)

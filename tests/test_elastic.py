@@ -1,0 +1,102 @@
+"""Elastic Horovod on one machine (``tests/workers/elastic_train.py``): horovodrun --gloo with --min-np 1
+--max-np 3 and a host discovery script whose hosts file the test edits while the job trains.
+
+- grow and shrink: 2 slots, then 3 once training is under way, then 2 again;
+- a killed worker: 3 workers on two host names (Horovod blacklists the failed host, so the survivors
+  need another name for theirs), one SIGKILLed between two commits; the others restore the last commit
+  and finish on 2.
+
+Both must finish without a hang, with parameters identical on every rank at every step (records of
+the same step and world size), for ``hvd_topk.DistributedOptimizer`` and for TopKEF in stock Horovod.
+"""
+import collections
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.infra.launch import launch_command
+from conftest import ROOT, WORKERS
+
+JOB_TIMEOUT = 240
+
+
+def run_elastic(tmp_path, hosts, np, args, on_progress=lambda step, size: None):
+    """Run the elastic job; ``on_progress(step, size)`` may rewrite the hosts (returned by it). Returns
+    {(step, size): {digest, ...}} and the sizes seen, in order."""
+    out = tmp_path / "out"
+    out.mkdir()
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(hosts)
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    discover.chmod(0o755)
+    horovodrun = launch_command(np, [])[0]
+    cmd = [horovodrun, "-np", str(np), "--min-np", "1", "--max-np", "3", "--host-discovery-script", str(discover),
+           "--network-interface", "lo", sys.executable, os.path.join(WORKERS, "elastic_train.py"),
+           "--out", str(out), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = open(tmp_path / "job.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    try:
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, f"elastic job hung:\n{(tmp_path / 'job.log').read_text()[-4000:]}"
+            progress = (out / "progress").read_text().split() if (out / "progress").exists() else []
+            if len(progress) == 2:
+                new_hosts = on_progress(int(progress[0]), int(progress[1]))
+                if new_hosts:
+                    hosts_file.write_text(new_hosts)
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    assert proc.returncode == 0, f"elastic job failed:\n{(tmp_path / 'job.log').read_text()[-4000:]}"
+    digests, sizes = collections.defaultdict(set), []
+    for path in glob.glob(str(out / "log.*.jsonl")):
+        for line in open(path):
+            record = json.loads(line)
+            digests[(record["step"], record["size"])].add(record["digest"])
+    for step, size in sorted(digests):
+        if not sizes or sizes[-1] != size:
+            sizes.append(size)
+    return digests, sizes
+
+
+@pytest.mark.parametrize("column", ["hvd_topk", "topkef"])
+def test_grow_and_shrink_keeps_ranks_identical(tmp_path, column):
+    phases = iter([(8, 2, "localhost:3\n"), (20, 3, "localhost:2\n")])
+    wanted = [next(phases)]
+
+    def on_progress(step, size):
+        if wanted and step >= wanted[0][0] and size == wanted[0][1]:
+            hosts = wanted.pop()[2]
+            wanted.extend(phases)
+            return hosts
+        return None
+
+    digests, sizes = run_elastic(tmp_path, "localhost:2\n", 2, ["--column", column, "--steps", 40],
+                                 on_progress)
+    assert sizes == [2, 3, 2], sizes
+    assert max(step for step, _ in digests) == 40
+    differ = {key: d for key, d in digests.items() if len(d) > 1}
+    assert not differ, f"ranks differ at (step, size): {sorted(differ)}"
+
+
+@pytest.mark.parametrize("column", ["hvd_topk", "topkef"])
+def test_worker_killed_between_commits_the_others_finish_identical(tmp_path, column):
+    digests, sizes = run_elastic(tmp_path, "localhost:2\n127.0.0.1:1\n", 3,
+                                 ["--column", column, "--steps", 30, "--commit-every", 5,
+                                  "--kill-host", "127.0.0.1", "--kill-step", 12])
+    # steps 1-12 on 3 ranks; the kill after step 12 rolls back to the commit after step 10, and steps
+    # 11-30 run on the 2 survivors
+    assert {key for key in digests if key[1] == 3} == {(step, 3) for step in range(1, 13)}, sorted(digests)
+    assert {key for key in digests if key[1] == 2} == {(step, 2) for step in range(11, 31)}, sorted(digests)
+    differ = {key: d for key, d in digests.items() if len(d) > 1}
+    assert not differ, f"ranks differ at (step, size): {sorted(differ)}"

@@ -1,0 +1,78 @@
+"""An elastic Horovod job (``horovodrun --min-np/--max-np --host-discovery-script``), written exactly as
+Horovod's documentation writes one: ``hvd.elastic.TorchState(model=..., optimizer=...)``, ``@hvd.elastic.run``,
+``state.commit()``.
+
+Every process appends one JSON line per finished step to ``<out>/log.<pid>.jsonl``: the step, the world
+size, its rank and a digest of its parameters; rank 0 also writes ``<out>/progress`` ("step size") for
+the test that changes the hosts. ``--kill-host H --kill-step S``: the worker on host H SIGKILLs itself
+after step S, between two commits.
+"""
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hvd_topk
+from hvd_topk import TopKEF
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--column", choices=["hvd_topk", "topkef"], default="hvd_topk")
+p.add_argument("--steps", type=int, default=40)
+p.add_argument("--ratio", type=float, default=0.1)
+p.add_argument("--commit-every", type=int, default=1)
+p.add_argument("--sleep", type=float, default=0.2, help="seconds per step, so that hosts can change mid-run")
+p.add_argument("--kill-host", default="")
+p.add_argument("--kill-step", type=int, default=-1)
+args = p.parse_args()
+
+hvd.init()
+torch.set_num_threads(1)
+torch.manual_seed(1234)
+model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+base = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+if args.column == "hvd_topk":
+    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                        compression=TopKEF(ratio=args.ratio, min_numel=16))
+else:
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                   compression=TopKEF(ratio=args.ratio, min_numel=16,
+                                                      named_parameters=model.named_parameters()))
+w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
+log = open(os.path.join(args.out, f"log.{os.getpid()}.jsonl"), "a")
+
+
+def digest():
+    h = hashlib.sha256()
+    for _, q in sorted(model.named_parameters()):
+        h.update(q.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@hvd.elastic.run
+def train(state):
+    while state.step < args.steps:
+        opt.zero_grad()
+        x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1000 * hvd.rank() + state.step))
+        ((model(x) - x @ w_true) ** 2).mean().backward()
+        opt.step()
+        state.step += 1
+        log.write(json.dumps({"step": state.step, "size": hvd.size(), "rank": hvd.rank(), "digest": digest()}) + "\n")
+        log.flush()
+        if hvd.rank() == 0:
+            with open(os.path.join(args.out, "progress"), "w") as f:
+                f.write(f"{state.step} {hvd.size()}\n")
+        if os.environ.get("HOROVOD_HOSTNAME") == args.kill_host and state.step == args.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(args.sleep)
+        if state.step % args.commit_every == 0:
+            state.commit()
+
+
+train(hvd.elastic.TorchState(model=model, optimizer=opt, step=0))
