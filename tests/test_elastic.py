@@ -100,3 +100,18 @@ def test_worker_killed_between_commits_the_others_finish_identical(tmp_path, col
     assert {key for key in digests if key[1] == 2} == {(step, 2) for step in range(11, 31)}, sorted(digests)
     differ = {key: d for key, d in digests.items() if len(d) > 1}
     assert not differ, f"ranks differ at (step, size): {sorted(differ)}"
+
+
+def test_the_elastic_example_trains(tmp_path):
+    """examples/elastic_digits.py, as its docstring launches it, on a fixed host list."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    cmd = [launch_command(2, [])[0], "-np", "2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
+           str(discover), "--network-interface", "lo", sys.executable, "examples/elastic_digits.py", "--epochs", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "epoch 2/2: 2 ranks, test acc" in proc.stdout
