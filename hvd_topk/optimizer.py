@@ -128,18 +128,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     if num_groups:
         warnings.warn("num_groups has been replaced by groups in Horovod", DeprecationWarning)
         groups = num_groups if groups is None else groups
-    compression, momentum_correction, tuner = _checked(
-        optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor, process_set,
-        momentum_correction, warmup_steps, warmup_epochs, clip_grad_norm, communication, leader, value_dtype,
-        grad_scaler, selection, adaptive_ratio, adaptive_weight, auto_every, dense_steps, compress, local_momentum,
-        groups)
+    compression, momentum_correction, tuner = _checked(**{k: v for k, v in locals().items()
+                                                          if k not in ("named_parameters", "num_groups")})
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
-    config = StepConfig(communication, selection, compress, local_momentum, compression.min_numel, clip_grad_norm,
-                        grad_scaler)
-    state = _build(config, sorted(n for n, _ in named_parameters), compression.ratio,
-                   DensitySchedule(compression.ratio, dense_steps, warmup_steps, warmup_epochs), tuner, leader,
-                   Reduction.of(op, gradient_predivide_factor), value_dtype, process_set)
+    config = StepConfig(communication=communication, selection=selection, compress=compress,
+                        local_momentum=local_momentum, min_numel=compression.min_numel,
+                        clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler)
+    state = _build(config, names=sorted(n for n, _ in named_parameters),
+                   schedule=DensitySchedule(compression.ratio, dense_steps, warmup_steps, warmup_epochs),
+                   tuner=tuner, leader=leader, reduction=Reduction.of(op, gradient_predivide_factor),
+                   value_dtype=value_dtype, process_set=process_set)
     elastic.register()                   # hvd.elastic.TorchState(optimizer=...) then uses hvd_topk.elastic
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticOptimizer),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
@@ -147,7 +146,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                gradient_predivide_factor, groups, bool(sparse_as_dense), process_set, momentum_correction)
 
 
-def _build(config, names, ratio, schedule, tuner, leader, reduction, value_dtype, process_set):
+def _build(config, *, names, schedule, tuner, leader, reduction, value_dtype, process_set):
     """The step coordinator and its units. Collective names are identical on all ranks (the ranks create
     their optimizers in the same order) and distinct between optimizers: one optimizer's index sets or
     score may still be in flight in another's step."""
@@ -162,8 +161,9 @@ def _build(config, names, ratio, schedule, tuner, leader, reduction, value_dtype
                   "allgather": SparseAllgather(collectives, reduction.op == Average, value_dtype),
                   "dense": Dense(collectives, reduction, value_dtype, name="values"),
                   "plain": Dense(collectives, reduction, None, name="dense")}
-    units = StepUnits(schedule, tuner, ResidualMemory(), MomentumCorrection(), leaders, index_sets, collectives,
-                      transports, GlobalBucket(), StepStats())
+    units = StepUnits(schedule=schedule, tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(),
+                      leaders=leaders, index_sets=index_sets, collectives=collectives, transports=transports,
+                      bucket=GlobalBucket(), stats=StepStats())
     coordinator = StepCoordinator(config, units)
     coordinator.tag, coordinator.names = tag, names
     return coordinator
@@ -172,10 +172,10 @@ def _build(config, names, ratio, schedule, tuner, leader, reduction, value_dtype
 _build.instances = 0        # creation counter of the optimizers, for their collectives' names
 
 
-def _checked(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor, process_set,
-             momentum_correction, warmup_steps, warmup_epochs, clip_grad_norm, communication, leader, value_dtype,
-             grad_scaler, selection, adaptive_ratio, adaptive_weight, auto_every, dense_steps, compress, local_momentum,
-             groups):
+def _checked(*, optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
+             sparse_as_dense, process_set, momentum_correction, warmup_steps, warmup_epochs, clip_grad_norm,
+             communication, leader, value_dtype, grad_scaler, selection, adaptive_ratio, adaptive_weight, auto_every,
+             dense_steps, compress, local_momentum):
     """ValueError naming the first bad argument; else (TopKEF instance, momentum correction on/off, the
     AutoTuner or None)."""
     check_choice("communication", communication, COMMUNICATIONS)
