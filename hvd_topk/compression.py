@@ -64,13 +64,38 @@ class _ClassOrInstance:
         return self._fn.__get__(cls.default() if obj is None else obj, cls)
 
 
+class _PendingStep:
+    """One Horovod step's candidates: the new residuals are committed at its end only if every gradient
+    was finite on every rank; otherwise every gradient of the step is handed out all NaN."""
+
+    def __init__(self):
+        self.commits = []                     # (key, residual)
+        self.outputs = []                     # the step's decompressed gradients, as handed to Horovod
+        self.nonfinite = False                # some gradient of this step was non-finite somewhere
+
+    def hand_out(self, out, finite, like, shape):
+        if not finite and not self.nonfinite:
+            self.nonfinite = True
+            for earlier in self.outputs:      # Horovod set_() them into p.grad: NaN them there
+                earlier.fill_(float("nan"))
+        if self.nonfinite:
+            out = torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+        self.outputs.append(out)
+        return out
+
+    def commit(self, memory):
+        if not self.nonfinite:
+            for key, residual in self.commits:
+                memory.update(key, residual)
+        self.__init__()
+
+
 class TopKEF(Compressor):
     """Top-K sparsification with per-rank error feedback, for stock ``hvd.DistributedOptimizer``.
 
-    Per gradient and rank: ``acc = grad + residual``; the values of ``acc`` at the shared
-    index set (k = max(1, ceil(ratio * numel)) entries) are allreduced; ``residual = acc`` with those
-    entries zeroed. Tensors with fewer than ``min_numel`` elements, and non-floating tensors, pass
-    through unchanged (dense).
+    Per gradient and rank: ``acc = grad + residual``; the values of ``acc`` at the shared index set
+    (k = max(1, ceil(ratio * numel)) entries) are allreduced; ``residual = acc`` with those entries
+    zeroed. Tensors with fewer than ``min_numel`` elements, and non-floating tensors, go unchanged.
 
     Args:
         ratio: fraction of elements kept per tensor, in (0, 1]. 1.0 sends everything (dense result).
@@ -102,9 +127,7 @@ class TopKEF(Compressor):
         self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
         self.memory = ResidualMemory()        # key -> residual
         self.steps = {}                       # key -> steps compressed so far (same on all ranks)
-        self._commits = []                    # (key, residual) of this step, committed at its end
-        self._outputs = []                    # this step's decompressed gradients
-        self._nonfinite = False               # some gradient of this step was non-finite somewhere
+        self._step = _PendingStep()           # this step's candidates
         self.index_sets = IndexPipeline(f"hvd_topk.TopKEF{TopKEF._instances}.indices", sync=sync_indices,
                                         mismatch_hint=_MISMATCH_HINT if named_parameters is None else "",
                                         process_set=process_set, on_leaders_differ=lambda: self.steps.clear())
@@ -134,7 +157,7 @@ class TopKEF(Compressor):
             # The abandoned step's candidates are dropped, and so are the index sets and step counters:
             # the failure may have stopped each rank at another point of that step (one flushed its
             # sets, another did not), so only an empty start is the same on every rank.
-            self._commits, self._outputs, self._nonfinite, self.keys.interrupted = [], [], False, False
+            self._step, self.keys.interrupted = _PendingStep(), False
             self.index_sets.forget()
             self.steps.clear()
         # Before a step counter is read: if the ranks' counters differ (a rank joined an elastic job),
@@ -165,26 +188,12 @@ class TopKEF(Compressor):
             finite = out is not None
             if finite:
                 out = out.reshape(ctx.shape)
-            self._commits.append((ctx.key, ctx.residual))
-        if not finite and not self._nonfinite:
-            self._nonfinite = True
-            for earlier in self._outputs:      # Horovod set_() them into p.grad: NaN them there
-                earlier.fill_(float("nan"))
-        if self._nonfinite:
-            out = torch.full(ctx.shape, float("nan"), dtype=tensor.dtype, device=tensor.device)
-        self._outputs.append(out)
+            self._step.commits.append((ctx.key, ctx.residual))
+        out = self._step.hand_out(out, finite, tensor, ctx.shape)
         if self.keys.pending == 0:             # Horovod compresses all before it decompresses any
-            self._end_step()
+            self.index_sets.flush()            # unless the last compress did (not in the first step)
+            self._step.commit(self.memory)
         return out
-
-    def _end_step(self):
-        """Commit the step's residuals if it was finite everywhere; otherwise keep the old ones. Start
-        sharing the next step's index sets if the last compress did not (the first step)."""
-        self.index_sets.flush()
-        if not self._nonfinite:
-            for key, residual in self._commits:
-                self.memory.update(key, residual)
-        self._commits, self._outputs, self._nonfinite = [], [], False
 
     # -- checkpoints -------------------------------------------------------------------------------
 

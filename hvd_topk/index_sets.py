@@ -5,6 +5,12 @@ step t one asynchronous allgather carries every tensor's set (each rank contribu
 so the backward pass never waits on a collective per tensor, and a step costs one index collective, not
 one per tensor (Horovod neither fuses broadcasts nor keeps them in its response cache: each one is
 negotiated).
+
+Default (one step stale): ``select`` sends the values at the set shared during the previous step and,
+on the next step's leader, picks the next set; ``flush`` (called on every rank once the step's last
+``select`` is done) starts one allgather with every set of the step: rank r contributes the sets it
+leads, in key order, and every rank splits the result by the (key, k, leader) plan, which is identical
+on all ranks. The next step's first ``select`` waits for it (long finished by then).
 """
 import zlib
 
@@ -25,26 +31,20 @@ PLAN_HEADER = 3
 
 
 class IndexPipeline:
-    """Shared AR-Topk index sets, per key (tensor), identical on every rank.
-
-    Default (one step stale): ``select`` sends the values at the set shared during the previous step
-    and, on the next step's leader, picks the next set; ``flush`` (called on every rank once the step's
-    last ``select`` is done) starts one allgather with every set of the step: rank r contributes the
-    sets it leads, in key order, and every rank splits the result by the (key, k, leader) plan, which
-    is identical on all ranks. The next step's first ``select`` waits for it (long finished by then).
+    """Shared AR-Topk index sets, per key (tensor), identical on every rank (module docstring).
 
     Args:
         name: prefix of the Horovod collective names (must be identical on all ranks).
         sync: broadcast the current step's index set inside ``select`` and wait for it, instead.
+        mismatch_hint: what the error says to do when the ranks' plans differ.
+        process_set: the ranks that share the sets; ranks count within it.
+        on_leaders_differ: called on every rank when only the leaders differ; None: raise.
     """
 
     def __init__(self, name, sync=False, mismatch_hint="", process_set=mpi_ops.global_process_set,
                  on_leaders_differ=None):
-        self.name = name
-        self.sync = sync
-        self.on_leaders_differ = on_leaders_differ   # called on every rank when only the leaders differ
-        self.process_set = process_set         # the ranks that share the sets; ranks count within it
-        self.mismatch_hint = mismatch_hint     # what to do when the ranks' plans differ
+        self.name, self.sync, self.process_set = name, sync, process_set
+        self.mismatch_hint, self.on_leaders_differ = mismatch_hint, on_leaders_differ
         self.outgoing = {}         # key -> (k, leader, int32 set or None): picked this step, not yet sent
         self.in_flight = None      # (allgather handle, [(key, k, leader)]) of the last flush
         self.ready = {}            # key -> int32 index set for the next step
@@ -124,15 +124,12 @@ class IndexPipeline:
         if gathered is None:                   # Horovod was re-initialised since (an elastic reset):
             self.ready = {}                    # every rank's flush died with it, so every rank starts
             return                             # the next step from the spread set
-        gathered = gathered.reshape(-1)
-        blocks, offset = [], 0
-        for _ in range(self.process_set.size()):
-            length = int(gathered[offset])
-            blocks.append((tuple(gathered[offset + 1:offset + PLAN_HEADER].tolist()),
-                           gathered[offset + PLAN_HEADER:offset + PLAN_HEADER + length]))
-            offset += PLAN_HEADER + length
+        blocks = _split_blocks(gathered.reshape(-1), self.process_set.size())
         self.ready = {}
-        if not self._plans_agree([fingerprints for fingerprints, _ in blocks], len(plan)):
+        leaders_differ = _check_plans([fingerprints for fingerprints, _ in blocks], len(plan), self.mismatch_hint,
+                                      realign=self.on_leaders_differ is not None)
+        if leaders_differ:
+            self.on_leaders_differ()
             return
         for rank, (_, sets) in enumerate(blocks):   # rank r's block: the sets it leads, in key order
             offset = 0
@@ -140,22 +137,6 @@ class IndexPipeline:
                 if leader == rank:
                     self.ready[key] = sets[offset:offset + k]
                     offset += k
-
-    def _plans_agree(self, fingerprints, n_sets):
-        """True if every rank meant rank 0's plan; else raise, or drop the sets if only leaders differ."""
-        differ = [r for r, f in enumerate(fingerprints) if f[0] != fingerprints[0][0]]
-        if differ:
-            hint = self.mismatch_hint or "the ranks must give their tensors the same keys"
-            raise ValueError(f"hvd_topk: rank(s) {differ} shared AR-Topk index sets for other tensors than rank "
-                             f"0 did ({n_sets} sets on this rank); {hint}")
-        leaders_differ = [r for r, f in enumerate(fingerprints) if f[1] != fingerprints[0][1]]
-        if leaders_differ and self.on_leaders_differ is None:
-            raise ValueError(f"hvd_topk: rank(s) {leaders_differ} count steps differently from rank 0 (a rank "
-                             "joined without the others' state: with elastic Horovod, pass the optimizer to "
-                             "hvd.elastic.TorchState)")
-        if leaders_differ:
-            self.on_leaders_differ()
-        return not leaders_differ
 
     def state_dict(self):
         """The sets shared for the next step (waits for the allgather in flight); call it after the
@@ -179,3 +160,29 @@ class IndexPipeline:
 def _fingerprint(values):
     """A 31-bit fingerprint of ``values``' repr, identical on every rank for equal values."""
     return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
+
+
+def _split_blocks(gathered, size):
+    """[(fingerprints, sets)] of every rank's block of the allgather (``PLAN_HEADER``)."""
+    blocks, offset = [], 0
+    for _ in range(size):
+        length = int(gathered[offset])
+        blocks.append((tuple(gathered[offset + 1:offset + PLAN_HEADER].tolist()),
+                       gathered[offset + PLAN_HEADER:offset + PLAN_HEADER + length]))
+        offset += PLAN_HEADER + length
+    return blocks
+
+
+def _check_plans(fingerprints, n_sets, hint, realign):
+    """True if only the leaders differ from rank 0's (and ``realign`` allows it: the caller realigns);
+    False if every rank meant rank 0's plan; else ValueError, raised alike on every rank."""
+    differ = [r for r, f in enumerate(fingerprints) if f[0] != fingerprints[0][0]]
+    if differ:
+        raise ValueError(f"hvd_topk: rank(s) {differ} shared AR-Topk index sets for other tensors than rank 0 "
+                         f"did ({n_sets} sets on this rank); {hint or 'the ranks must give their tensors the same keys'}")
+    leaders_differ = [r for r, f in enumerate(fingerprints) if f[1] != fingerprints[0][1]]
+    if leaders_differ and not realign:
+        raise ValueError(f"hvd_topk: rank(s) {leaders_differ} count steps differently from rank 0 (a rank joined "
+                         "without the others' state: with elastic Horovod, pass the optimizer to "
+                         "hvd.elastic.TorchState)")
+    return bool(leaders_differ)
