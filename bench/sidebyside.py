@@ -75,7 +75,7 @@ def worker(a):
                                                 communication=mode.split()[1],
                                                 momentum_correction=False if mode.endswith(" nomc") else None)
         else:
-            compression = TopKEF(ratio=a.ratio) if mode == "topkef" else hvd.Compression.none
+            compression = TopKEF(ratio=a.ratio, named_parameters=named) if mode == "topkef" else hvd.Compression.none
             opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=compression)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         arms.append((mode, model, opt))

@@ -60,9 +60,10 @@ def worker(args):
                                             compression=TopKEF(ratio=args.ratio), communication=communication,
                                             selection=selection, groups=args.groups or None)
     else:
-        compression = (TopKEF(ratio=args.ratio, sync_indices=args.sync_indices) if args.topkef
-                       else hvd.Compression.none)
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
+        named = list(model.named_parameters())
+        compression = (TopKEF(ratio=args.ratio, sync_indices=args.sync_indices, named_parameters=named)
+                       if args.topkef else hvd.Compression.none)
+        opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=compression,
                                        groups=args.groups or None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     x, y = torch.randn(32, args.width), torch.randn(32, 1)

@@ -117,7 +117,7 @@ def make_distributed_optimizer(args, model, base_opt):
     Example:
         >>> opt, comp = make_distributed_optimizer(args, model, torch.optim.SGD(model.parameters(), lr=0.1))
     """
-    named = model.named_parameters()
+    named = list(model.named_parameters())
     if args.compression == "hvd_topk":
         if hvd.rank() == 0 and (args.adaptive_ratio or args.communication == "auto"):
             logging.basicConfig(format="%(message)s")
@@ -139,7 +139,7 @@ def make_distributed_optimizer(args, model, base_opt):
                          "--local-momentum off and --value-dtype float16 need --compression hvd_topk")
     comp = None
     if args.compression == "topkef":
-        comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel)
+        comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel, named_parameters=named)
         compression = comp
     else:
         compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
