@@ -178,8 +178,9 @@ def _check_plans(fingerprints, n_sets, hint, realign):
     False if every rank meant rank 0's plan; else ValueError, raised alike on every rank."""
     differ = [r for r, f in enumerate(fingerprints) if f[0] != fingerprints[0][0]]
     if differ:
+        hint = hint or "the ranks must give their tensors the same keys"
         raise ValueError(f"hvd_topk: rank(s) {differ} shared AR-Topk index sets for other tensors than rank 0 "
-                         f"did ({n_sets} sets on this rank); {hint or 'the ranks must give their tensors the same keys'}")
+                         f"did ({n_sets} sets on this rank); {hint}")
     leaders_differ = [r for r, f in enumerate(fingerprints) if f[1] != fingerprints[0][1]]
     if leaders_differ and not realign:
         raise ValueError(f"hvd_topk: rank(s) {leaders_differ} count steps differently from rank 0 (a rank joined "

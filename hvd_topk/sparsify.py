@@ -25,10 +25,11 @@ def k_for(numel, ratio):
     return min(int(numel), max(1, math.ceil(ratio * numel)))
 
 
-# Fast exact selection (docs/design.md, "Fast exact top-k"). The magnitude of an IEEE float orders exactly like its bit
-# pattern with the sign bit cleared, read as a signed integer of the same width; NaN patterns lie above
-# inf there, so NaN counts as the largest magnitude, as in torch.topk. Working on these integers keeps
-# the selection exact (no rounding of a threshold) and needs neither an abs() copy nor a NaN pass.
+# Fast exact selection (docs/design.md, "Fast exact top-k selection"). The magnitude of an IEEE float
+# orders exactly like its bit pattern with the sign bit cleared, read as a signed integer of the same
+# width; NaN patterns lie above inf there, so NaN counts as the largest magnitude, as in torch.topk.
+# Working on these integers keeps the selection exact (no rounding of a threshold) and needs neither an
+# abs() copy nor a NaN pass.
 _MAGNITUDE_BITS = {
     torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
     torch.float32: (torch.int32, 0x7FFF_FFFF),
