@@ -53,19 +53,25 @@ class MomentumCorrection:
     """Velocities per parameter name, for the parameters whose groups it corrects (``take_over``)."""
 
     def __init__(self):
-        self.groups = {}                      # name -> its param group (the user's settings live there)
+        self.optimizer = None                 # the wrapped optimizer: the user's settings live in its groups
+        self.group_index = {}                 # name -> index of its param group
         self.velocities = {}                  # name -> flat u, this rank's
-        self.optimizer_state = {}             # the wrapped optimizer's per-parameter state
 
-    def take_over(self, param_groups, names, optimizer_state):
-        """Correct every parameter of ``param_groups``: from now on the wrapped optimizer's own step
-        applies the learning rate only (see ``hidden``). A velocity not yet started begins from the
-        optimizer's own ``momentum_buffer`` if it has one (the same quantity: Horovod's
-        ``broadcast_optimizer_state`` creates it, a plain checkpoint may hold it)."""
-        self.optimizer_state = optimizer_state
-        for group in param_groups:
+    def take_over(self, optimizer, names):
+        """Correct every parameter of ``optimizer``: from now on its own step applies the learning rate
+        only (see ``hidden``). A velocity not yet started begins from the optimizer's own
+        ``momentum_buffer`` if it has one (the same quantity: Horovod's ``broadcast_optimizer_state``
+        creates it, a plain checkpoint may hold it). Groups are found by index at every use:
+        ``load_state_dict`` replaces the group dicts (keeping their order)."""
+        self.optimizer = optimizer
+        for i, group in enumerate(optimizer.param_groups):
             for q in group["params"]:
-                self.groups[names[q]] = group
+                self.group_index[names[q]] = i
+
+    @property
+    def groups(self):
+        """name -> its param group now."""
+        return {name: self.optimizer.param_groups[i] for name, i in self.group_index.items()}
 
     @property
     def settings(self):
@@ -76,7 +82,7 @@ class MomentumCorrection:
     def hidden(self):
         """Momentum, dampening, Nesterov and weight decay switched off in the corrected groups for the
         wrapped optimizer's step (they already live in the velocities), the user's values put back after."""
-        groups = list({id(g): g for g in self.groups.values()}.values())
+        groups = [self.optimizer.param_groups[i] for i in sorted(set(self.group_index.values()))]
         saved = [{key: group[key] for key in _OFF if key in group} for group in groups]
         for group in groups:
             group.update((key, value) for key, value in _OFF.items() if key in group)
@@ -89,15 +95,15 @@ class MomentumCorrection:
     def correct(self, name, g, p):
         """(what goes into error feedback, the new velocity or None): one fused pass per term
         (torch.add with alpha), not a temporary per product. ``g`` is flat; ``p`` the parameter."""
-        group = self.groups.get(name)
-        if group is None:
+        i = self.group_index.get(name)
+        if i is None:
             return g, None
-        s = MomentumSettings.of(group)
+        s = MomentumSettings.of(self.optimizer.param_groups[i])
         if s.weight_decay:
             g = torch.add(g, p.detach().reshape(-1), alpha=s.weight_decay)
         u = self.velocities.get(name)
-        if u is None and p in self.optimizer_state:
-            buf = self.optimizer_state[p].get("momentum_buffer")
+        if u is None and p in self.optimizer.state:
+            buf = self.optimizer.state[p].get("momentum_buffer")
             u = None if buf is None else buf.reshape(-1)
         if u is None:
             u_new = g.clone()

@@ -255,7 +255,7 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
     if groups is not None:
         self._hvd_topk.collectives.set_groups(_key_groups(self, groups))
     if momentum_correction:
-        self._hvd_topk.momentum.take_over(self.param_groups, self._parameter_names, self.state)
+        self._hvd_topk.momentum.take_over(self, self._parameter_names)
 
 
 def _key_groups(self, groups):
@@ -296,7 +296,7 @@ def _momentum_after_sum(state, p, name, wait):
     it, applies to the aggregate (linear, so the same as before the sum, as for dense tensors)."""
     def done():
         out = wait()
-        if name not in state.momentum.groups:
+        if name not in state.momentum.group_index:
             return out
         g = out.to_dense().reshape(-1)
         if state.grad_scaler is not None:
