@@ -64,8 +64,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             densifies them and then compresses them like any gradient. With a ``process_set`` only its
             ranks communicate, and every rank counts within it; the others step on their own gradients,
             as in Horovod. The arguments after ``process_set`` are hvd_topk's and keyword-only.
-        momentum_correction: DGC momentum correction + factor masking. None: on when the optimizer has
-            momentum > 0 in some group; True with no momentum raises ValueError.
+        momentum_correction: DGC momentum correction + factor masking. None: on for ``torch.optim.SGD``
+            with momentum > 0 in some group; True without SGD's momentum raises ValueError. The
+            settings stay in ``param_groups``, read at every step (``hvd_topk.dgc``).
         warmup_steps: DGC warm-up over this many steps, density ratio ** ((t+1)/(W+1)) then ratio.
         warmup_epochs: the same schedule per epoch; call ``opt.set_epoch(epoch)`` at each epoch start.
         dense_steps: the first dense_steps steps send every element (density 1, a plain allreduce of
