@@ -51,8 +51,7 @@ class StepUnits(NamedTuple):
 
 
 class StepCoordinator:
-    """One optimizer's step, on one rank: ``config`` (``StepConfig``) and ``units`` (``StepUnits``) are
-    kept as flat attributes (``self.selection``, ``self.residuals``, ...)."""
+    """One optimizer's step, on one rank; ``config`` and ``units`` become flat attributes."""
 
     def __init__(self, config, units):
         self.__dict__.update(config._asdict(), **units._asdict())

@@ -58,7 +58,7 @@ class IndexPipeline:
             if ps.size() > 1:                 # Horovod's root_rank is a global rank
                 mpi_ops.broadcast_(buf, root_rank=ps.ranks[leader], name=f"{self.name}.{key}", process_set=ps)
             return buf.long()
-        self._receive()
+        self.receive()
         buf = self.ready.pop(key, None)
         if buf is None or buf.numel() != k:    # first step, or k changed: any shared set is valid
             return spread_indices(acc.numel(), k, device=acc.device)
@@ -94,7 +94,7 @@ class IndexPipeline:
         calls it at the same point of the step, with the same keys picked."""
         if not self.outgoing:
             return
-        self._receive()                         # a set nobody picked up: its step went dense
+        self.receive()                         # a set nobody picked up: its step went dense
         plan = [(key,) + self.outgoing[key][:2] for key in sorted(self.outgoing)]
         mine = [self.outgoing[key][2] for key, _, leader in plan if leader == self.process_set.rank()]
         self.outgoing = {}
@@ -111,11 +111,7 @@ class IndexPipeline:
                                                   process_set=self.process_set), plan)
 
     def receive(self):
-        """Wait for the sets shared at the last flush, if any (``select`` does it too)."""
-        self._receive()
-
-    def _receive(self):
-        """Wait for the last flush's allgather and split it into ``ready`` by its plan."""
+        """Wait for the last flush's allgather, if any, and split it into ``ready`` by its plan."""
         if self.in_flight is None:
             return
         handle, plan = self.in_flight
@@ -144,7 +140,7 @@ class IndexPipeline:
         if self.outgoing:
             raise RuntimeError("IndexPipeline.state_dict() during a step: the sets picked in it are not "
                                "shared yet (call it between steps)")
-        self._receive()
+        self.receive()
         return {key: buf.clone() for key, buf in self.ready.items()}
 
     def forget(self):
