@@ -190,7 +190,8 @@ def _crc32_on():
 
 def coordinator_state(c):
     """This rank's hvd_topk state of one optimizer (a ``StepCoordinator``), between steps: residuals,
-    velocities, the shared index sets, VAR's scores, the schedule and the tuner's decisions."""
+    velocities, the shared index sets, VAR's scores, the schedule, the tuner's decisions and split_reduce's
+    index regions."""
     leaders = c.leaders.state_dict()
     schedule = c.schedule.state_dict()
     ps = c.collectives.process_set
@@ -200,7 +201,8 @@ def coordinator_state(c):
             "score": leaders.get("score", 0.0), "scores": leaders.get("scores"),
             "ratio": schedule["ratio"], "ratio_change": schedule["ratio_change"],
             "configured_ratio": schedule["configured_ratio"],
-            "tuner": None if c.tuner is None else c.tuner.state_dict()}
+            "tuner": None if c.tuner is None else c.tuner.state_dict(),
+            "regions": c.transports["split_reduce"].regions.state_dict()}
 
 
 def check_loadable(c, state):
@@ -229,3 +231,5 @@ def load_coordinator_state(c, state, check=True):
     c.leaders.load_state_dict(state)
     if c.tuner is not None and state.get("tuner") is not None:
         c.tuner.load_state_dict(state["tuner"])
+    c.transports["split_reduce"].forget()
+    c.transports["split_reduce"].regions.load_state_dict(state.get("regions"))

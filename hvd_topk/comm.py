@@ -138,11 +138,16 @@ class Collectives:
             raise RuntimeError(f"hvd_topk: groups {sorted(self.pending)} were submitted but never waited for")
         self.launched = {}
 
+    def start_pending(self):
+        """Start every group still pending, as it is: before a wait, and before a transport adds
+        collectives at ``finish`` (a rank waiting on them must not hold back a group another waits on)."""
+        for gid in sorted(self.pending):
+            self._launch(gid)
+
     def _wait(self, slot):
         """The output of one queued tensor (its group's grouped collective waited for once)."""
         if "shared" not in slot:               # the group is incomplete: start every pending group
-            for gid in sorted(self.pending):
-                self._launch(gid)
+            self.start_pending()
         shared = slot["shared"]
         if "outputs" not in shared:
             shared["outputs"] = mpi_ops.synchronize(shared.pop("handle"))

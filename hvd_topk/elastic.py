@@ -11,7 +11,7 @@ Horovod's own optimizer handler, which it extends:
 - ``sync`` (at the start and after every reset, collective): Horovod's ``broadcast_optimizer_state``, then
   what must be identical on every rank comes from rank 0: the step counter, the schedule (epoch, ratio)
   and the tuner's decisions. What depended on the old ranks is dropped on every rank: the shared AR-Topk
-  index sets (the next step uses the spread set) and VAR's scores. Residuals and velocities are per rank
+  index sets (the next step uses the spread set), VAR's scores and split_reduce's regions (equal again). Residuals and velocities are per rank
   and stay: a surviving rank keeps its own, a new rank starts from zero (nothing held back yet), so the
   error-feedback invariant holds on every rank and nothing is counted twice. Parameters stay identical.
 
@@ -61,6 +61,7 @@ def forget_ranks(c):
     """Drop what the coordinator ``c`` shared with the old set of ranks (identically on every rank)."""
     c.index_sets.forget()
     c.leaders.forget()
+    c.transports["split_reduce"].forget()
     c.last_end = None                     # the tuner's step clock restarts: a reset is not a step
     c.commits, c.nonfinite, c.sent_keys = [], False, set()
 

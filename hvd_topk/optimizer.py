@@ -32,13 +32,14 @@ from .memory import ResidualMemory
 from .plans import TRANSPORTS
 from .schedule import DensitySchedule
 from .stats import StepStats
-from .transports import ARTopk, Dense, SparseAllgather
+from .regions import Regions
+from .transports import ARTopk, Dense, SparseAllgather, SplitReduce
 from .update import update_step
 from .validate import check_choice, check_int, check_number
 
 __all__ = ["DistributedOptimizer", "COMMUNICATIONS", "LEADERS", "SELECTIONS", "COMPRESSES"]
 
-COMMUNICATIONS = ("artopk", "allgather", "dense", "auto")
+COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "dense", "auto")
 COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
@@ -76,9 +77,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         clip_grad_norm: local clipping of each gradient tensor to norm clip_grad_norm * size**-0.5
             before accumulation (> 0), or None.
         communication: ``'artopk'`` (shared index set, allreduce of k values), ``'allgather'`` (every
-            rank's own top-k, int32 indices, scatter-add), ``'dense'`` (plain allreduce) or ``'auto'``
-            (per compressed tensor, the transport the cost model with probed alpha/beta picks;
-            see ``hvd_topk.auto``).
+            rank's own top-k, int32 indices, scatter-add), ``'split_reduce'`` (every rank's own top-k
+            summed per index region by the region's owner, the global top-k of the sums allgathered:
+            bytes flat in the number of ranks; ``hvd_topk.transports.split_reduce``), ``'dense'``
+            (plain allreduce) or ``'auto'`` (per compressed tensor, the transport the cost model with
+            probed alpha/beta picks; see ``hvd_topk.auto``).
         leader: AR-Topk leader, ``'star'`` (round robin) or ``'var'`` (largest EWMA gradient norm).
         selection: ``'layerwise'`` (top-k of each tensor, sent as soon as its gradient is ready) or
             ``'global'`` (one top-k over all compressed tensors fused into one bucket, sent at
@@ -158,13 +161,16 @@ def _build(config, *, names, schedule, tuner, leader, reduction, value_dtype, pr
         StarLeaders(key_index, process_set)
     index_sets = IndexPipeline(f"{tag}.indices", process_set=process_set)
     collectives = Collectives(f"{tag}.group", process_set=process_set)   # groups: set by _init
+    stats = StepStats()
+    average = reduction.op == Average
     transports = {"artopk": ARTopk(index_sets, leaders, collectives, reduction, value_dtype),
-                  "allgather": SparseAllgather(collectives, reduction.op == Average, value_dtype),
+                  "allgather": SparseAllgather(collectives, average, value_dtype),
+                  "split_reduce": SplitReduce(collectives, average, Regions(), f"{tag}.split", value_dtype, stats),
                   "dense": Dense(collectives, reduction, value_dtype, name="values"),
                   "plain": Dense(collectives, reduction, None, name="dense")}
     units = StepUnits(schedule=schedule, tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(),
                       leaders=leaders, index_sets=index_sets, collectives=collectives, transports=transports,
-                      bucket=GlobalBucket(), stats=StepStats())
+                      bucket=GlobalBucket(), stats=stats)
     coordinator = StepCoordinator(config, units)
     coordinator.tag, coordinator.names = tag, names
     return coordinator
@@ -457,8 +463,8 @@ def _adaptive_ratios(adaptive_ratio, ratio, communication):
         raise ValueError("adaptive_ratio must be None, True or (low, high) with 0 < low <= high <= 1, "
                          f"got {adaptive_ratio!r}")
     if communication == "dense":
-        raise ValueError("adaptive_ratio needs a compressing communication ('artopk', 'allgather' or "
-                         "'auto'), got communication='dense'")
+        raise ValueError("adaptive_ratio needs a compressing communication ('artopk', 'allgather', "
+                         "'split_reduce' or 'auto'), got communication='dense'")
     if not low <= ratio <= high:
         raise ValueError(f"the compression's ratio {ratio} (where the adaptive ratio starts) must lie within "
                          f"adaptive_ratio's bounds [{low}, {high}]")

@@ -243,7 +243,7 @@ def test_checkpoint_files_are_per_rank_and_checked(hvd, tmp_path):
 
 @pytest.mark.parametrize("communication,selection,groups", [
     ("artopk", "layerwise", 0), ("allgather", "layerwise", 0), ("dense", "layerwise", 0), ("artopk", "global", 0),
-    ("artopk", "layerwise", 2)])
+    ("artopk", "layerwise", 2), ("split_reduce", "layerwise", 0)])
 def test_ratio_one_reproduces_dense_horovod(run_ranks, communication, selection, groups):
     # No weight decay here: stock hvd.broadcast_optimizer_state takes a real SGD step on zero gradients,
     # which with weight decay moves the parameters; the float64 reference test covers weight decay.
@@ -281,7 +281,8 @@ def test_dense_steps_reproduce_dense_horovod_then_compress(run_ranks, communicat
 @pytest.mark.parametrize("communication,leader,selection,np", [
     ("artopk", "star", "layerwise", 2), ("artopk", "var", "layerwise", 3), ("allgather", "star", "layerwise", 2),
     ("dense", "star", "layerwise", 2), ("artopk", "star", "global", 3), ("allgather", "star", "global", 2),
-    ("allgather-fp16", "star", "layerwise", 2), ("artopk-fp16-bpps2", "star", "layerwise", 2)])
+    ("allgather-fp16", "star", "layerwise", 2), ("artopk-fp16-bpps2", "star", "layerwise", 2),
+    ("split_reduce", "star", "layerwise", 3), ("split_reduce-fp16", "star", "global", 4)])
 def test_params_bit_identical_after_200_steps(run_ranks, communication, leader, selection, np):
     extra = []
     if "-fp16" in communication:                      # values in float16 on the wire
@@ -376,7 +377,7 @@ def test_momentum_correction_matches_float64_reference(run_ranks, nesterov):
 
 @pytest.mark.parametrize("communication,leader,selection", [
     ("artopk", "star", "layerwise"), ("artopk", "var", "layerwise"), ("allgather", "star", "layerwise"),
-    ("artopk", "star", "global")])
+    ("artopk", "star", "global"), ("split_reduce", "star", "layerwise")])
 def test_checkpoint_resume_is_bit_identical(run_ranks, tmp_path, communication, leader, selection):
     assert_resume_bit_identical(run_ranks, tmp_path, ["--steps", 50, "--communication", communication, "--leader",
                                                       leader, "--ratio", 0.05, "--warmup-steps", 10, "--selection",
@@ -393,7 +394,8 @@ def test_amp_overflow_on_one_rank_skips_step_everywhere(run_ranks, one_tensor):
 
 @pytest.mark.parametrize("communication,selection,dense_steps", [
     ("artopk", "layerwise", 0), ("allgather", "layerwise", 0), ("dense", "layerwise", 0), ("artopk", "global", 0),
-    ("artopk", "layerwise", 8), ("allgather", "layerwise", 8)])    # 8: step 5 is dense (density 1)
+    ("artopk", "layerwise", 8), ("allgather", "layerwise", 8),    # 8: step 5 is dense (density 1)
+    ("split_reduce", "layerwise", 0)])
 def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(run_ranks, communication, selection,
                                                                     dense_steps):
     """Without a loss scaler: one tensor NaN on rank 1 -> step() skips on both ranks, state unchanged."""

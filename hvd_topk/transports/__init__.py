@@ -14,13 +14,15 @@ all of them); the caller zeroes them in the residual, which keeps error feedback
 
 - ``ARTopk`` (artopk.py): one leader's index set, shared by all ranks; the k values are allreduced.
 - ``SparseAllgather`` (allgather.py): every rank's own top-k, as (values, int32 indices); scatter-add.
+- ``SplitReduce`` (split_reduce.py): every rank's own top-k, summed per index region by its owner; the
+  global top-k of the sums is allgathered (Ok-Topk). Bytes flat in the number of ranks.
 - ``Dense`` (dense.py): a plain allreduce of everything, as stock Horovod sends it.
 """
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["Started", "Outcome", "ARTopk", "SparseAllgather", "Dense"]
+__all__ = ["Started", "Outcome", "ARTopk", "SparseAllgather", "SplitReduce", "Dense"]
 
 
 class Outcome(NamedTuple):
@@ -39,3 +41,4 @@ class Started(NamedTuple):
 from .allgather import SparseAllgather  # noqa: E402  (they import Started and Outcome from here)
 from .artopk import ARTopk  # noqa: E402
 from .dense import Dense  # noqa: E402
+from .split_reduce import SplitReduce  # noqa: E402
