@@ -6,6 +6,7 @@ import statistics
 from bench.constants import AUTO_MODE
 from bench.grid import EXAMPLES
 from bench.linkbytes import measure, scheme_of, theoretical_bytes
+from hvd_topk.plans import TRANSPORTS
 
 def steps_row(row, record, o, cp):
     """Fill a steps-part row with the measured and theoretical figures."""
@@ -18,7 +19,7 @@ def steps_row(row, record, o, cp):
     scheme = scheme_of(record)
     stats = record.get("hvd_topk_stats") or {}
     ratio = stats.get("density") or record.get("ratio") or 1.0      # the ratio in use at the end
-    mix = ", ".join(f"{t} {stats[f'auto_{t}']}" for t in ("dense", "artopk", "allgather") if stats.get(f"auto_{t}"))
+    mix = ", ".join(f"{t} {stats[f'auto_{t}']}" for t in TRANSPORTS if stats.get(f"auto_{t}"))
     row["scheme"] = scheme or (f"auto mix: {mix}" if mix else "")
     if scheme is not None:
         theo = theoretical_bytes(scheme, record["tensors"], record["min_numel"], ratio, record["ranks"],

@@ -6,7 +6,8 @@ Pure functions over numbers; no Horovod import. Notation: ``alpha`` is the laten
 
 Sparse transports send the selected values in the gradient's own dtype, so ``M·c`` is the bytes of the
 values, and the matching indices take ``M·c·r`` bytes with ``r = index_bytes / value_bytes``
-(int32 indices with fp32 values: r = 1). For r = 1 every formula below is the published one (docs/costmodel.md):
+(int32 indices with fp32 values: r = 1). For r = 1 every formula below but split_reduce's is the published
+one (docs/costmodel.md); split_reduce's is derived there from its three collectives:
 
 =============  ===========================================  =====================================
 name           seconds                                      what it is
@@ -20,6 +21,10 @@ artopk_ring    α[2(N−1) + log N] + Mcβ[2(N−1)/N + r·log N]  broadcast of 
                                                             values (Mc bytes)
 artopk_tree    3α·log N + Mcβ·log N·(2 + r)                 the same with a tree allreduce
                                                             (published: 3Mcβ·log N for r = 1)
+split_reduce   4(N−1)α + 2(N−1)/N·Mc(1+r)β + 2(N−1)/N·Hβ    Ok-Topk's split and reduce: alltoall
+                                                            of the rows to their region's owner,
+                                                            ring allreduce of an H-byte histogram,
+                                                            ring allgatherv of the ~k kept rows
 =============  ===========================================  =====================================
 
 With one worker there is nothing to communicate and every time is 0.
@@ -27,11 +32,17 @@ With one worker there is nothing to communicate and every time is 0.
 import math
 from .validate import check_int, check_number
 
-__all__ = ["COLLECTIVES", "predict", "choose", "crossover_density"]
+__all__ = ["COLLECTIVES", "HIST_BYTES", "predict", "choose", "crossover_density"]
 
 # Also the tie-break order of ``choose``: on equal modelled times prefer the dense transports (exact,
-# no compression error), then AR-Topk (one dense k-vector, Horovod's plain allreduce), then allgather.
-COLLECTIVES = ("dense_ring", "dense_tree", "artopk_ring", "artopk_tree", "allgather")
+# no compression error), then AR-Topk (one dense k-vector, Horovod's plain allreduce), then split_reduce
+# (three collectives per tensor, but bytes per rank flat in N: a tie at this N turns its way at a larger
+# one), then allgather (bytes per rank growing with N).
+COLLECTIVES = ("dense_ring", "dense_tree", "artopk_ring", "artopk_tree", "split_reduce", "allgather")
+# Bytes H of split_reduce's histogram allreduce: 128 magnitude bins and one count of rows received
+# outside the owner's region, int32 (hvd_topk.transports.split_reduce). A constant here, since that
+# module needs torch and this one must not.
+HIST_BYTES = (128 + 1) * 4
 # Relative margin within which two modelled times count as a tie, so that rounding in formulas that
 # are equal on paper (e.g. all zeros at N = 1) cannot flip the choice.
 _TIE_RTOL = 1e-9
@@ -53,7 +64,7 @@ def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value
 
     Returns:
         dict name -> seconds (float) for ``"dense_ring"``, ``"dense_tree"``, ``"allgather"``,
-        ``"artopk_ring"``, ``"artopk_tree"``.
+        ``"artopk_ring"``, ``"artopk_tree"``, ``"split_reduce"``.
 
     Example:
         >>> t = predict(4, 1e6, 0.01, alpha=1e-5, beta=1e-9)
@@ -72,6 +83,9 @@ def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value
         "allgather": a * log_n + mc * (1 + r) * b * (n - 1),
         "artopk_ring": a * (2 * (n - 1) + log_n) + mc * b * (ring + r * log_n),
         "artopk_tree": 3 * a * log_n + mc * b * log_n * (2 + r),
+        # alltoall (N−1 messages) and ring allgatherv (N−1) each carry (N−1)/N of the ~k rows per rank;
+        # the histogram's ring allreduce takes 2(N−1) messages. Flag and padding rows are left out.
+        "split_reduce": 4 * (n - 1) * a + ring * (mc * (1 + r) + HIST_BYTES) * b,
     }
 
 
@@ -79,7 +93,8 @@ def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value_
     """Name of the collective with the smallest modelled time.
 
     Ties (times within a relative 1e-9) go to the candidate listed first in ``COLLECTIVES`` order:
-    dense_ring, dense_tree, artopk_ring, artopk_tree, allgather (dense first: no compression error).
+    dense_ring, dense_tree, artopk_ring, artopk_tree, split_reduce, allgather (dense first: no
+    compression error; split_reduce before allgather: its bytes per rank do not grow with N).
     So at ``n_workers == 1``, where everything costs 0, the answer is the first dense candidate.
 
     Args:
@@ -92,6 +107,8 @@ def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value_
 
     Example:
         >>> choose(512, 1e8, 0.05, alpha=5e-5, beta=8e-8)          # 100 Mbit/s, many workers
+        'split_reduce'
+        >>> choose(64, 1e8, 0.01, alpha=5e-5, beta=8e-10)          # 10 Gbit/s: latency counts too
         'artopk_ring'
         >>> choose(4, 1e8, 1e-4, alpha=5e-5, beta=8e-11)           # 100 Gbit/s, few workers
         'allgather'

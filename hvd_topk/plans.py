@@ -3,16 +3,19 @@
 Pure functions over plain numbers and dicts; no Horovod, no torch (``hvd_topk.auto`` applies them, see
 docs/auto.md). For every compressed tensor (n elements, density c, N ranks) the modelled seconds are::
 
-    dense      dense_ring(M = 4n)                                 a plain allreduce, nothing selected
-    allgather  allgather(M, c)   + σ·n + π·n                      every rank selects its own top-k
-    artopk     artopk_ring(M, c) + σ·n/N + 2π·n                   the leader selects, all gather values
+    dense         dense_ring(M = 4n)                              a plain allreduce, nothing selected
+    artopk        artopk_ring(M, c)  + σ·n/N + 2π·n               the leader selects, all gather values
+    split_reduce  split_reduce(M, c) + σ·n + π·n                  every rank selects its own top-k; the
+                                                                  owners' sums are O(k), left out
+    allgather     allgather(M, c)    + σ·n + π·n                  every rank selects its own top-k
 
 with the communication terms of ``hvd_topk.costmodel``, σ the seconds per element of one exact top-k
 selection and π the seconds per element of one pass over the accumulator (the leader role rotates, so
-each rank selects 1/N of the tensors). The cheapest wins; ties go to dense, then artopk (the order of
-``TRANSPORTS``). Horovod's Gloo and MPI collectives do not expose ring vs. tree, so only the ring
-formulas are used. The model ignores the overlap with the backward pass and the ranks' competition for
-CPU, so ``trial_plans`` lists the plans worth checking by measurement (``hvd_topk.trial``).
+each rank selects 1/N of the tensors). The cheapest wins; ties go to dense, then artopk, then
+split_reduce (the order of ``TRANSPORTS``). Horovod's Gloo and MPI collectives do not expose ring vs.
+tree, so only the ring formulas are used. The model ignores the overlap with the backward pass and the
+ranks' competition for CPU, so ``trial_plans`` lists the plans worth checking by measurement
+(``hvd_topk.trial``).
 """
 from typing import NamedTuple
 
@@ -22,8 +25,9 @@ __all__ = ["TRANSPORTS", "TRIAL_SPAN", "Costs", "tensor_seconds", "plan_transpor
            "trial_plans", "uniform_plan", "plan_name", "plan_counts", "fitted_link"]
 
 # The transports a plan chooses from, also the tie-break order: dense first (exact, no compression
-# error), then AR-Topk (one selection per tensor), then allgather.
-TRANSPORTS = ("dense", "artopk", "allgather")
+# error), then AR-Topk (one selection per tensor), then split_reduce (bytes per rank flat in N), then
+# allgather (the order of costmodel.COLLECTIVES).
+TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather")
 # Every uniform plan modelled within this factor of the model's plan is measured: the model's misses
 # seen on busy hosts (CPU competition, fusion) stayed within it.
 TRIAL_SPAN = 4.0
@@ -40,13 +44,15 @@ class Costs(NamedTuple):
 
 
 def tensor_seconds(numel, density, n_workers, costs, value_bytes=4):
-    """Modelled seconds of each transport for one tensor (module docstring). dict transport -> s."""
+    """Modelled seconds of each transport for one tensor (module docstring). dict transport -> s, in
+    ``TRANSPORTS`` order."""
     t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta,
                           index_bytes=_INDEX_BYTES, value_bytes=value_bytes)
     select, sweep = costs.select_s * numel, costs.pass_s * numel
     return {"dense": t["dense_ring"],
-            "allgather": t["allgather"] + select + sweep,
-            "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep}
+            "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep,
+            "split_reduce": t["split_reduce"] + select + sweep,
+            "allgather": t["allgather"] + select + sweep}
 
 
 def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=TRANSPORTS):

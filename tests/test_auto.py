@@ -13,7 +13,8 @@ import torch.nn as nn
 import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk import recheck, trial as trials
-from hvd_topk.auto import AutoTuner, Costs, choose_ratio, plan_seconds, plan_transports, tensor_seconds, trial_plans
+from hvd_topk.auto import (TRANSPORTS, AutoTuner, Costs, choose_ratio, plan_seconds, plan_transports, tensor_seconds,
+                           trial_plans)
 from hvd_topk.sparsify import topk_energies
 
 from conftest import assert_identical_across_ranks
@@ -31,11 +32,17 @@ def test_tensor_seconds_hand_computed():
     assert math.isclose(t["allgather"], 2e-5 + 4e4 * 2 * 1e-11 * 3 + 1e-3 + 1e-4)
     # artopk ring: α(6 + 2) + Mcβ(1.5 + 2) + σn/N + 2πn
     assert math.isclose(t["artopk"], 8e-5 + 4e4 * 1e-11 * 3.5 + 1e-3 / 4 + 2e-4)
+    # split_reduce: α·12 + 1.5·(Mc·2 + 516)·β + σn + πn
+    assert math.isclose(t["split_reduce"], 1.2e-4 + 1.5 * (4e4 * 2 + 516) * 1e-11 + 1e-3 + 1e-4)
+    assert tuple(t) == TRANSPORTS == ("dense", "artopk", "split_reduce", "allgather")
 
 
-def test_plan_picks_allgather_tiny_density_fast_link_and_artopk_high_density_slow_many():
+def test_plan_picks_allgather_tiny_density_fast_link_and_split_reduce_slow_many():
     assert plan_transports({"w": 10**7}, 1e-4, 4, FAST._replace(select_s=0, pass_s=0)) == {"w": "allgather"}
-    assert plan_transports({"w": 10**7}, 0.05, 64, SLOW) == {"w": "artopk"}
+    # 100 Mbit/s, 64 ranks: split_reduce's bytes, flat in N, beat AR-Topk's index broadcast (log N)
+    assert plan_transports({"w": 10**7}, 0.05, 64, SLOW) == {"w": "split_reduce"}
+    # ... but on 2 ranks they send the same bytes, and AR-Topk needs fewer messages and selections
+    assert plan_transports({"w": 10**7}, 0.05, 2, SLOW) == {"w": "artopk"}
     # Selection costs more than a fast link saves: dense.
     assert plan_transports({"w": 10**6}, 0.01, 2, CPU_BOUND) == {"w": "dense"}
     # Ties go to dense (N = 1: nothing to send, selection still costs).
@@ -58,6 +65,7 @@ def test_trial_plans_are_the_models_plan_and_the_plausible_uniform_ones():
     for plan in slow[1:]:
         assert len(set(plan.values())) == 1
         assert plan_seconds(numels, plan, 0.01, 4, SLOW) <= 4 * plan_seconds(numels, slow[0], 0.01, 4, SLOW)
+    assert {"w": "split_reduce", "v": "split_reduce"} in slow         # a uniform plan of the new transport
     # a fast link: dense is the model's choice, artopk is modelled 3.5x dearer (tried), allgather 6.7x (not)
     dense, artopk = {"w": "dense", "v": "dense"}, {"w": "artopk", "v": "artopk"}
     assert trial_plans(numels, 0.01, 4, FAST) == [dense, artopk]
@@ -379,7 +387,7 @@ def test_checkpoint_mid_trial_continues_the_trial(stop):
     went on would have, and ends the trial with the same verdict at the same step."""
     ref = mid_trial(1)
     plans = feed(ref, range(1, 120))
-    assert ref.trial is None and ref.history == [(66, 0.01, {"dense": 0, "artopk": 1, "allgather": 0}, (
+    assert ref.trial is None and ref.history == [(66, 0.01, {"dense": 0, "artopk": 1, "split_reduce": 0, "allgather": 0}, (
         "trial, 8 counted rounds: all artopk 97.0 ms/step, all allgather 100.2 ms/step, "
         "all dense 133.0 ms/step (out after 3); kept all artopk"))]
     saved = pickle.loads(pickle.dumps(mid_trial(stop).state_dict()))    # plain data

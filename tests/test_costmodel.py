@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from hvd_topk.costmodel import COLLECTIVES, choose, crossover_density, predict
+from hvd_topk.costmodel import COLLECTIVES, HIST_BYTES, choose, crossover_density, predict
 
 GBIT = 8 / 1e9        # beta of a 1 Gbit/s link, s/byte
 
@@ -21,6 +21,8 @@ def test_predict_hand_computed_int32_indices():
     assert t["artopk_ring"] == pytest.approx(1.15e-4, rel=1e-12)
     # AR tree:   3·1e-5·2 + 3·1e4·1e-9·2              = 6e-5 + 6e-5     = 1.2e-4
     assert t["artopk_tree"] == pytest.approx(1.2e-4, rel=1e-12)
+    # split:     12·1e-5 + 1.5·(1e4·2 + 516)·1e-9     = 1.2e-4 + 3.0774e-5 = 1.50774e-4
+    assert t["split_reduce"] == pytest.approx(1.50774e-4, rel=1e-12)
     assert set(t) == set(COLLECTIVES)
 
 
@@ -38,6 +40,8 @@ def test_predict_hand_computed_int64_indices_no_latency():
     assert t["artopk_ring"] == pytest.approx(3.1e-4, rel=1e-12)
     # AR tree:   4e-5·3·(2 + 2)          = 4.8e-4
     assert t["artopk_tree"] == pytest.approx(4.8e-4, rel=1e-12)
+    # split:     2·7/8·(4e3·3 + 516)·1e-8 = 1.75·1.2516e-4 = 2.1903e-4
+    assert t["split_reduce"] == pytest.approx(2.1903e-4, rel=1e-12)
 
 
 def test_predict_reduces_to_design_formulas_and_one_worker_is_free():
@@ -45,6 +49,8 @@ def test_predict_reduces_to_design_formulas_and_one_worker_is_free():
     t, log_n = predict(n, m, c, a, b), math.log2(n)
     assert t["allgather"] == pytest.approx(a * log_n + 2 * m * c * b * (n - 1), rel=1e-12)
     assert t["artopk_tree"] == pytest.approx(3 * a * log_n + 3 * m * c * b * log_n, rel=1e-12)
+    ring = 2 * (n - 1) / n
+    assert t["split_reduce"] == pytest.approx(4 * (n - 1) * a + ring * (2 * m * c + HIST_BYTES) * b, rel=1e-12)
     assert predict(1, 1e9, 0.5, 1.0, 1.0) == {name: 0.0 for name in COLLECTIVES}
 
 
@@ -54,12 +60,54 @@ def test_choose_allgather_for_tiny_density_on_a_fast_link_with_few_workers():
     assert choose(4, 1e8, 1e-4, alpha=5e-5, beta=8e-11) == "allgather"
 
 
-def test_choose_artopk_for_high_density_on_a_slow_link_with_many_workers():
+def test_choose_split_reduce_on_a_slow_link_with_many_workers():
     # 100 Mbit/s (β = 8e-8), N = 512, c = 0.05, M = 1e8: allgather ≈ 408 s, dense ring ≈ 16.0 s,
-    # AR-Topk tree ≈ 10.8 s, AR-Topk ring ≈ 0.05 + 5e6·8e-8·(2·511/512 + 9) ≈ 4.45 s.
+    # AR-Topk tree ≈ 10.8 s, AR-Topk ring ≈ 0.05 + 5e6·8e-8·(2·511/512 + 9) ≈ 4.45 s (its index
+    # broadcast grows with log N), split_reduce ≈ 0.10 + 2·511/512·(1e7 + 516)·8e-8 ≈ 1.70 s.
     t = predict(512, 1e8, 0.05, alpha=5e-5, beta=8e-8)
     assert t["artopk_ring"] == pytest.approx(5e-5 * (1022 + 9) + 0.4 * (1022 / 512 + 9), rel=1e-12)
-    assert choose(512, 1e8, 0.05, alpha=5e-5, beta=8e-8) == "artopk_ring"
+    assert t["split_reduce"] == pytest.approx(5e-5 * 2044 + 1022 / 512 * (1e7 + 516) * 8e-8, rel=1e-12)
+    assert choose(512, 1e8, 0.05, alpha=5e-5, beta=8e-8) == "split_reduce"
+    # The same at small density from 16 workers to 1024.
+    for n in (16, 64, 256, 1024):
+        assert choose(n, 1e8, 0.01, alpha=5e-5, beta=8e-8) == "split_reduce"
+
+
+def test_choose_artopk_ring_where_split_reduce_latency_outweighs_its_bytes():
+    # 10 Gbit/s (β = 8e-10), N = 64, c = 0.01, M = 1e8 (Mcβ = 0.8 ms): split_reduce's 4·63 messages
+    # (12.6 ms) against AR-Topk ring's 2·63 + 6 (6.6 ms) cost more than the bytes it saves:
+    # Mcβ·(2·63/64 + 6) = 6.4 ms against 2·63/64·2·Mcβ = 3.2 ms.
+    t = predict(64, 1e8, 0.01, alpha=5e-5, beta=8e-10)
+    assert t["artopk_ring"] < t["split_reduce"] < t["allgather"]
+    assert choose(64, 1e8, 0.01, alpha=5e-5, beta=8e-10) == "artopk_ring"
+
+
+def test_choose_allgather_over_split_reduce_with_few_workers():
+    # N = 2: both send Mc(1+r) per rank (split_reduce also its histogram), allgather in 1 message
+    # instead of 4: allgather is cheaper on any link.
+    for beta in (8e-8, 8e-9, 8e-11):
+        t = predict(2, 1e8, 0.01, alpha=5e-5, beta=beta)
+        assert t["allgather"] < t["split_reduce"]
+    assert choose(2, 1e8, 0.01, alpha=5e-5, beta=8e-8) == "allgather"
+    # N = 4 on 10 Gbit/s: allgather = 2α + 3·2Mcβ = 1.06e-4 s, split_reduce = 12α + 1.5·(2Mc + H)β
+    # ≈ 6.2e-4 s: the 10 extra messages cost more than the 1.5·2Mc bytes saved.
+    t = predict(4, 1e7, 1e-3, alpha=5e-5, beta=8e-10)
+    assert t["allgather"] == pytest.approx(1e-4 + 6 * 1e4 * 8e-10, rel=1e-12)
+    assert t["split_reduce"] == pytest.approx(6e-4 + 1.5 * (2e4 + 516) * 8e-10, rel=1e-12)
+    assert choose(4, 1e7, 1e-3, alpha=5e-5, beta=8e-10) == "allgather"
+    # ... while on 100 Mbit/s the bytes count most: split_reduce sends half of allgather's.
+    assert choose(4, 1e8, 0.01, alpha=5e-5, beta=8e-8) == "split_reduce"
+
+
+def test_split_reduce_bytes_per_rank_are_flat_in_workers():
+    # Bandwidth term alone (α = 0): 2(N−1)/N grows from 1 at N = 2 to < 2 at any N, while allgather's
+    # N − 1 grows 1023-fold.
+    two, many = (predict(n, 1e8, 0.01, alpha=0.0, beta=8e-9) for n in (2, 1024))
+    assert many["split_reduce"] < 2 * two["split_reduce"]
+    assert many["split_reduce"] == pytest.approx(2 * 1023 / 1024 * two["split_reduce"], rel=1e-12)
+    assert many["allgather"] == pytest.approx(1023 * two["allgather"], rel=1e-12)
+    # Latency alone (β = 0): 4(N−1) messages.
+    assert predict(1024, 1e8, 0.01, alpha=1.0, beta=0.0)["split_reduce"] == 4 * 1023
 
 
 @pytest.mark.parametrize("n", [2, 16, 256])
@@ -70,8 +118,10 @@ def test_choose_dense_near_full_density(n, beta):
 
 def test_choose_ties_and_candidates_are_deterministic():
     # One worker: everything costs 0, the first of COLLECTIVES' order wins (dense ring).
+    assert COLLECTIVES == ("dense_ring", "dense_tree", "artopk_ring", "artopk_tree", "split_reduce", "allgather")
     assert choose(1, 1e6, 0.01, 1e-5, 1e-9) == "dense_ring"
     assert choose(1, 1e6, 0.01, 1e-5, 1e-9, candidates=["allgather", "artopk_tree"]) == "artopk_tree"
+    assert choose(1, 1e6, 0.01, 1e-5, 1e-9, candidates=["allgather", "split_reduce"]) == "split_reduce"
     # No data: only latency counts; allgather's log N beats AR-Topk's, and dense ring's 2(N-1) = 2 ties
     # dense tree's 2·log2 2 = 2 at N = 2: the tie goes to dense_ring.
     assert choose(2, 0, 1.0, 1e-5, 1e-9, candidates=["dense_ring", "dense_tree"]) == "dense_ring"

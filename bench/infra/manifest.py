@@ -69,7 +69,8 @@ def write_manifest(folder, command=None):
     """Write ``folder/manifest.json`` (see ``manifest``); returns its path."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "manifest.json")
+    facts = manifest(command)    # before the file is opened: truncating a tracked manifest dirties the checkout
     with open(path, "w") as f:
-        json.dump(manifest(command), f, indent=1)
+        json.dump(facts, f, indent=1)
         f.write("\n")
     return path
