@@ -443,8 +443,9 @@ def test_bad_auto_arguments_raise(hvd, kw, match):
 
 
 def test_error_feedback_invariant_across_transport_switches(hvd):
-    """Σ sent + residual = Σ input while the plan moves a tensor between dense, artopk and allgather
-    (a switch to dense flushes the residual). One process: the aggregate is this rank's own sent."""
+    """Σ sent + residual = Σ input while the plan moves a tensor between dense, artopk, split_reduce and
+    allgather (a switch to dense flushes the residual). One process: the aggregate is this rank's own
+    sent."""
     torch.manual_seed(0)
     model = nn.Linear(64, 32, bias=False).double()
     base = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -453,7 +454,9 @@ def test_error_feedback_invariant_across_transport_switches(hvd):
     tuner = opt._hvd_topk.tuner
     sent_sum = torch.zeros(64 * 32, dtype=torch.float64)
     grad_sum = torch.zeros_like(sent_sum)
-    for step, mode in enumerate(["artopk", "artopk", "allgather", "dense", "artopk", "allgather", "allgather"]):
+    modes = ["artopk", "artopk", "allgather", "dense", "artopk", "split_reduce", "split_reduce", "allgather",
+             "split_reduce", "allgather"]
+    for step, mode in enumerate(modes):
         tuner.plan = {"weight": mode}
         tuner.trial = None
         opt.zero_grad()
