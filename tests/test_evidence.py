@@ -45,6 +45,20 @@ def test_theoretical_bytes_by_hand():
     # 2 ranks: ring 1.0, broadcast 0.5, allgather 1
     assert theoretical_bytes("artopk", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(4 * 11 + 0.5 * 4 * 10)
     assert theoretical_bytes("allgather", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(8 * 11)
+    # split_reduce, rows of 8 bytes (value + int32 index): alltoall 0.75 * k rows + 3 flag rows, allreduce of a
+    # 516-byte histogram (ring 1.5), allgatherv of the k kept rows + 4 padding rows (0.75 of them per rank)
+    w_sr = 8 * (0.75 * 100 + 3) + 1.5 * 516 + 8 * 0.75 * (100 + 4)        # 624 + 774 + 624 = 2022
+    assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4) == pytest.approx(w_sr + 1.5 * 4 * 2048 + s_dense)
+    assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4, value_bytes=2) == pytest.approx(
+        6 * 78 + 774 + 6 * 78 + 1.5 * 4 * 2048 + s_dense)
+    assert theoretical_bytes("split_reduce", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(8 * 6 + 516 + 8 * 6)
+    # against N at k = 100: split_reduce stays near 2k rows (plus O(N) flag/padding rows and the histogram),
+    # allgather grows as (N-1)k
+    w = [["w", 10_000, 2]]
+    assert [theoretical_bytes("split_reduce", w, 0, 0.01, n) for n in (2, 4, 8)] == pytest.approx(
+        [408 + 516 + 408, 2022, 8 * (87.5 + 7) + 1.75 * 516 + 8 * 0.875 * 108])
+    assert [theoretical_bytes("allgather", w, 0, 0.01, n) for n in (2, 4, 8)] == pytest.approx(
+        [808, 2424, 7 * 808])
     # k = numel: everything plus the flag is allreduced, no index set to broadcast
     assert theoretical_bytes("artopk", [["w", 2000, 2]], 0, 1.0, 4) == pytest.approx(1.5 * 4 * 2001)
     assert theoretical_bytes("dense", TENSORS, 1024, 0.01, 1) == 0.0
@@ -57,9 +71,23 @@ def test_scheme_of_records():
     assert scheme_of({"compression": "fp16", "communication": "dense"}) == "fp16"
     assert scheme_of({"compression": "topkef", "communication": "artopk"}) == "topkef"
     assert scheme_of({"compression": "hvd_topk", "communication": "allgather"}) == "allgather"
+    assert scheme_of({"compression": "hvd_topk", "communication": "split_reduce"}) == "split_reduce"
+    assert scheme_of({"compression": "hvd_topk", "communication": "tree"}) is None
     auto = {"compression": "hvd_topk", "communication": "auto"}
     assert scheme_of({**auto, "hvd_topk_stats": {"auto_dense": 0, "auto_artopk": 4, "auto_allgather": 0}}) == "artopk"
     assert scheme_of({**auto, "hvd_topk_stats": {"auto_dense": 1, "auto_artopk": 3, "auto_allgather": 0}}) is None
+    assert scheme_of({**auto, "hvd_topk_stats": {"auto_dense": 0, "auto_artopk": 0, "auto_allgather": 0,
+                                                 "auto_split_reduce": 4}}) == "split_reduce"
+    assert scheme_of({**auto, "hvd_topk_stats": {"auto_allgather": 1, "auto_split_reduce": 3}}) is None
+
+
+def test_linkbytes_doctests():
+    """The examples in bench.linkbytes' docstrings (pytest does not collect doctests here)."""
+    import doctest
+
+    import bench.linkbytes
+    result = doctest.testmod(bench.linkbytes)
+    assert result.attempted >= 3 and result.failed == 0
 
 
 def test_measure_skips_warmup_and_needs_enough_steps():
