@@ -7,6 +7,8 @@ import os
 import platform
 import statistics
 
+from hvd_topk.plans import TRANSPORTS
+
 from bench.constants import AUTO_MODE, BANDWIDTHS
 from bench.grid import EXAMPLES, is_sparse, mode_warmup
 from bench.plots import plot_all
@@ -191,8 +193,8 @@ def notes(o):
         "with float16 values ('hvd_topk allgather fp16') it is 3/4 of that, 0.03 = 1/33.",
         "- **TopKEF vs hvd_topk.** TopKEF (stock Horovod's Compressor) compresses every tensor of at least "
         "min_numel elements, 1-D included; hvd_topk.DistributedOptimizer sends 1-D tensors dense.",
-        "- **auto.** Its first steps probe the link and may measure up to 4 plans in turns of 4 steps, for 5 to 21 "
-        f"rounds; its steps are measured after {mode_warmup(AUTO_MODE)} warm-up steps, or after its trial "
+        f"- **auto.** Its first steps probe the link and may measure up to {1 + len(TRANSPORTS)} plans in turns of "
+        "4 steps, for 5 to 21 rounds; its steps are measured after {mode_warmup(AUTO_MODE)} warm-up steps, or after its trial "
         "when that takes longer. Its theoretical bytes are given when all "
         "its tensors use one transport (from `hvd_topk_stats`), else left empty.",
         "- **Time to accuracy.** The budget is checked at step boundaries, so a run's last step can end past it "

@@ -132,9 +132,12 @@ def test_auto_warmup_follows_the_autotuner_defaults():
     import inspect
 
     from hvd_topk.auto import AutoTuner
+    from hvd_topk.plans import TRANSPORTS
     defaults = inspect.signature(AutoTuner).parameters
-    # the probe (2 steps), then 4 plans in turns of trial_steps for trial_rounds counted rounds + 1 uncounted
-    expected = 2 + 4 * defaults["trial_steps"].default * (defaults["trial_rounds"].default + 1)
+    # the probe (2 steps), then the model's plan and one uniform plan per transport in turns of trial_steps,
+    # for trial_rounds counted rounds + 1 uncounted
+    plans = 1 + len(TRANSPORTS)
+    expected = 2 + plans * defaults["trial_steps"].default * (defaults["trial_rounds"].default + 1)
     assert auto_warmup_steps() == expected
     assert grid.mode_warmup("hvd_topk auto") == expected and grid.mode_warmup("dense") == 0
 
