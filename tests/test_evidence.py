@@ -201,6 +201,31 @@ def test_medians_over_repeats_and_auto_against_the_best_fixed_mode():
     assert target[1] is False
 
 
+def test_bytes_against_the_rank_count():
+    """Every mode run at several rank counts gets a row per count, with its growth from the fewest ranks."""
+    steps = []
+    for label, per_ranks in (("hvd_topk split_reduce", {2: (1400, 1332), 4: (2100, 2022), 8: (2500, 2415)}),
+                             ("hvd_topk allgather", {2: (850, 808), 4: (2500, 2424)}),
+                             ("hvd_topk artopk", {4: (900, 906)})):       # one rank count: no row
+        for ranks, (measured, theo) in per_ranks.items():
+            steps.append(dict(_steps_row(label, 0, 100, measured), ranks=ranks, bandwidth="unlimited",
+                              theoretical_bytes=theo, measured_over_theoretical=measured / theo))
+    steps[2]["split_imbalance"] = 1.25
+    cells = dict(rows.bytes_by_ranks(steps))
+    assert set(cells) == {("cnn-wide", "unlimited", "20", "hvd_topk split_reduce 0.01"),
+                          ("cnn-wide", "unlimited", "20", "hvd_topk allgather 0.01")}
+    split = cells[("cnn-wide", "unlimited", "20", "hvd_topk split_reduce 0.01")]
+    assert [r["ranks"] for r in split] == [2, 4, 8]
+    assert [r["growth"] for r in split] == pytest.approx([1, 1.5, 2500 / 1400])
+    assert split[2]["theoretical_growth"] == pytest.approx(2415 / 1332)
+    text = "\n".join(report._ranks_section(steps))
+    assert "## Link bytes against the rank count" in text
+    assert "| hvd_topk split_reduce 0.01 | 8 | 2,500 | 2,415 | 1.035 | 1.79x (1.81x) | 1.25 |" in text
+    assert "| hvd_topk allgather 0.01 | 4 | 2,500 | 2,424 | 1.031 | 2.94x (3.00x) | - |" in text
+    assert "artopk" not in text
+    assert report._ranks_section([r for r in steps if r["ranks"] == 4]) == []
+
+
 @pytest.mark.parametrize("auto_ms, met", [((92, 90, 93), True), ((99, 96, 100), True), ((100, 104, 101), False)])
 def test_auto_target_on_the_unlimited_link_is_dense(auto_ms, met):
     """On the unlimited loopback the target compares auto with dense, not with the best fixed mode."""
