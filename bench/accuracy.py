@@ -1,12 +1,16 @@
 """Final accuracy (digits CNN) or test loss (byte-level LM): dense Horovod against hvd_topk's modes.
 
-Seeds side by side, 2 ranks (horovodrun, Gloo). Prints a markdown table of the mean per config; with
---out, also writes it (table.md), every run's record (runs.json) and, for the LM, the test-loss curves
-(loss_curves.png).
+Seeds side by side, 2 ranks by default (``--np``; horovodrun, Gloo). Prints a markdown table of the
+mean per config and, beside it, its difference from the dense config of the same optimizer when that
+ran too (points of accuracy, or relative test loss); with --out, also writes it (table.md), every
+run's figures (runs.json) and, for the LM, the test-loss curves (loss_curves.png), with manifest.json
+(commit, command, date, machine).
 
-    python -m bench.accuracy                     # digits: the full table (30 runs)
+    python -m bench.accuracy                     # digits: every config, seeds 0 1 2
     python -m bench.accuracy --seeds 0 --epochs 5
     python -m bench.accuracy --example lm --seeds 0 --out bench/results/lm   # the LM table (600 steps)
+    python -m bench.accuracy --np 8 --configs "SGD dense" "SGD top-k 0.01, correction" \
+        "SGD top-k 0.01, correction, allgather" "SGD top-k 0.01, correction, split_reduce"
 """
 import argparse
 import json
@@ -25,10 +29,16 @@ CONFIGS = {
     "SGD dense": ["--compression", "none"],
     "SGD top-k 0.01, no correction": ["--compression", "hvd_topk", "--ratio", "0.01", "--momentum-correction", "off"],
     "SGD top-k 0.01, correction": ["--compression", "hvd_topk", "--ratio", "0.01"],
+    "SGD top-k 0.01, correction, allgather": ["--compression", "hvd_topk", "--ratio", "0.01", "--communication",
+                                              "allgather"],
+    "SGD top-k 0.01, correction, split_reduce": ["--compression", "hvd_topk", "--ratio", "0.01", "--communication",
+                                                 "split_reduce"],
     "SGD top-k 0.001, no correction": ["--compression", "hvd_topk", "--ratio", "0.001", "--momentum-correction", "off"],
     "SGD top-k 0.001, correction + warm-up": ["--compression", "hvd_topk", "--ratio", "0.001", "--warmup-epochs", "4"],
     "SGD top-k 0.001, correction + warm-up, allgather": ["--compression", "hvd_topk", "--ratio", "0.001",
                                                          "--warmup-epochs", "4", "--communication", "allgather"],
+    "SGD top-k 0.001, correction + warm-up, split_reduce": ["--compression", "hvd_topk", "--ratio", "0.001",
+                                                            "--warmup-epochs", "4", "--communication", "split_reduce"],
     "SGD top-k 0.001, correction + warm-up, global selection": [
         "--compression", "hvd_topk", "--ratio", "0.001", "--warmup-epochs", "4", "--selection", "global"],
     "Adam dense": ["--compression", "none", "--optimizer", "adam", "--lr", "0.001"],
@@ -46,6 +56,10 @@ LM_CONFIGS = {
     "AdamW top-k 0.01, dense steps 100": ["--compression", "hvd_topk", "--ratio", "0.01", "--dense-steps", "100"],
     "AdamW top-k 0.01, dense steps 100, allgather": ["--compression", "hvd_topk", "--ratio", "0.01",
                                                      "--dense-steps", "100", "--communication", "allgather"],
+    "AdamW top-k 0.01, split_reduce": ["--compression", "hvd_topk", "--ratio", "0.01", "--communication",
+                                       "split_reduce"],
+    "AdamW top-k 0.01, dense steps 100, split_reduce": ["--compression", "hvd_topk", "--ratio", "0.01",
+                                                        "--dense-steps", "100", "--communication", "split_reduce"],
     "AdamW top-k 0.01, update, allgather": ["--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update",
                                             "--communication", "allgather"],
     "AdamW top-k 0.01, update, dense steps 100": ["--compression", "hvd_topk", "--ratio", "0.01", "--compress",
@@ -96,6 +110,20 @@ def run(config, seed, args):
     return run_record(config, seed, args)[EXAMPLES[getattr(args, "example", "digits")][2]]
 
 
+def dense_reference(config, configs):
+    """The dense config ``config`` is compared with: same optimizer (first word), same data split
+    ("non-IID" or not); None when that is not in ``configs`` or is ``config`` itself."""
+    ref = config.split()[0] + " dense" + (", non-IID" if "non-IID" in config else "")
+    return ref if ref in configs and ref != config else None
+
+
+def vs_dense(metric, ours, dense):
+    """Text of ``ours`` against ``dense``: points of accuracy, or relative test loss."""
+    if metric == "test_accuracy":
+        return f"{100 * (ours - dense):+.2f} pt"
+    return f"{100 * (ours / dense - 1):+.2f}%"
+
+
 def plot_curves(records, path):
     """Test loss against step, one line per config (seed 0's run)."""
     import matplotlib
@@ -139,8 +167,11 @@ def main():
         print(f"{config}: {' '.join(f'{a:.4f}' for a in table[config])}", flush=True)
     setup = (f"{args.np} ranks, {args.epochs} epochs, min_numel {args.min_numel}" if args.example == "digits"
              else f"{args.np} ranks, {args.steps} steps") + f", seeds {args.seeds}"
-    lines = [setup, "", f"| config | mean {metric.replace('_', ' ')} | per seed |", "|---|---:|---|"]
-    lines += [f"| {c} | {statistics.mean(v):.4f} | {' '.join(f'{a:.4f}' for a in v)} |" for c, v in table.items()]
+    lines = [setup, "", f"| config | mean {metric.replace('_', ' ')} | vs dense | per seed |", "|---|---:|---:|---|"]
+    for c, v in table.items():
+        ref = dense_reference(c, table)
+        diff = vs_dense(metric, statistics.mean(v), statistics.mean(table[ref])) if ref else ""
+        lines.append(f"| {c} | {statistics.mean(v):.4f} | {diff} | {' '.join(f'{a:.4f}' for a in v)} |")
     print("\n" + "\n".join(lines))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -149,8 +180,9 @@ def main():
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join([f"`{command}`", ""] + lines) + "\n")
         with open(os.path.join(args.out, "runs.json"), "w") as f:
-            json.dump({c: [{k: r.get(k) for k in ("test_loss", "test_accuracy", "curve", "wall_s",
-                                                   "bytes_per_rank_per_step", "params_identical")} for r in rs]
+            json.dump({c: [{k: r.get(k) for k in ("test_loss", "test_accuracy", "curve", "wall_s", "ranks",
+                                                   "communication", "bytes_per_rank_per_step", "params_identical",
+                                                   "hvd_topk_stats")} for r in rs]
                        for c, rs in records.items()}, f, indent=1)
         if args.example == "lm":
             plot_curves(records, os.path.join(args.out, "loss_curves.png"))

@@ -33,25 +33,34 @@ MODES = {
     "hvd_topk allgather grouped": ["--compression", "hvd_topk", "--communication", "allgather", "--groups", "1"],
     "hvd_topk allgather fp16": ["--compression", "hvd_topk", "--communication", "allgather", "--value-dtype",
                                 "float16"],
+    # Ok-Topk's split-and-reduce: rows to their index region's owner (alltoall), reduced and selected there
+    "hvd_topk split_reduce": ["--compression", "hvd_topk", "--communication", "split_reduce"],
+    "hvd_topk split_reduce fp16": ["--compression", "hvd_topk", "--communication", "split_reduce",
+                                   "--value-dtype", "float16"],
 }
+# Modes run only when named (--modes): not in the full grid's default, to keep its length.
+ON_REQUEST_MODES = ("topkef grouped", "hvd_topk artopk grouped", "hvd_topk allgather grouped",
+                    "hvd_topk split_reduce fp16")
 SPARSE_COMPRESSIONS = ("topkef", "hvd_topk")
 AUTO_MODE = "hvd_topk auto"
-# The transports auto chooses from, each fixed: auto's target is the fastest of them.
-FIXED_TRANSPORT_MODES = ("dense", "hvd_topk allgather", "hvd_topk artopk")
+# The transports auto chooses from, each fixed: auto's target is the fastest of them (of those that ran).
+FIXED_TRANSPORT_MODES = ("dense", "hvd_topk allgather", "hvd_topk artopk", "hvd_topk split_reduce")
 
 
 def auto_warmup_steps():
     """Steps before auto's step times are representative, from AutoTuner's own defaults.
 
     auto probes the link after its first step (2 steps), then its plans take turns of ``trial_steps``
-    steps: the model's plan and the three uniform plans (all dense, all artopk, all allgather), for
-    ``trial_rounds`` counted rounds after one uncounted round. A longer trial is skipped as well, from
-    the run's own decision history (``bench.linkbytes.settled_step``).
+    steps: the model's plan and at most one uniform plan per transport (``hvd_topk.plans.TRANSPORTS``:
+    all dense, all artopk, ...), for ``trial_rounds`` counted rounds after one uncounted round. A
+    longer trial is skipped as well, from the run's own decision history
+    (``bench.linkbytes.settled_step``).
     """
     from hvd_topk.auto import AutoTuner
+    from hvd_topk.plans import TRANSPORTS
 
     defaults = inspect.signature(AutoTuner).parameters
-    plans = 1 + len(("dense", "artopk", "allgather"))
+    plans = 1 + len(TRANSPORTS)
     probe_steps = 2
     trial_steps, trial_rounds = defaults["trial_steps"].default, defaults["trial_rounds"].default
     return probe_steps + plans * trial_steps * (trial_rounds + 1)

@@ -29,9 +29,10 @@ did against the best fixed mode in every repeat.
     python -m bench.evidence --part cycle         # control plane against HOROVOD_CYCLE_TIME
     python -m bench.evidence --part steps --ranks 2 --repeats 3   # every cell 3 times, interleaved
     python -m bench.evidence --report-only        # CSV, plots and report.md again from <out>/raw/
-The full grid is 118 jobs: about an hour on an idle 2-core machine, half of it job startup (~12-16 s a
-job) and the 100 Mbit/s links' dense steps and parameter broadcasts; ``--dry-run`` prints the estimate
-by part. Needs root, ``ip`` and ``tc`` (iproute2): otherwise it exits with status 2 naming what is
+The full grid is 154 jobs: about an hour and a half on an idle 2-core machine, a third of it job startup
+(~12-16 s a job) and much of the rest the 100 Mbit/s links' dense steps and parameter broadcasts;
+``--dry-run`` prints the estimate by part. A steps part run at several rank counts (``--ranks 2,4,8``)
+adds a table of link bytes against the rank count to report.md. Needs root, ``ip`` and ``tc`` (iproute2): otherwise it exits with status 2 naming what is
 missing. Writes into ``--out`` (default bench/results/evidence/): steps.csv, cycle.csv,
 control_plane.csv, tta.csv, tta_curves.csv, accuracy.csv, bytes_per_step.png, speedup.png,
 tta_<example>.png, report.md, and raw/ (each run's and probe's record and the options: --report-only

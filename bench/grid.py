@@ -5,8 +5,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-from bench.constants import (AUTO_MODE, BANDWIDTHS, MODES, RATE_BYTES_PER_S, ROOT, SPARSE_COMPRESSIONS,
-                             auto_warmup_steps)
+from bench.constants import (AUTO_MODE, BANDWIDTHS, MODES, ON_REQUEST_MODES, RATE_BYTES_PER_S, ROOT,
+                             SPARSE_COMPRESSIONS, auto_warmup_steps)
 from bench.linkbytes import scheme_of, theoretical_bytes
 
 RATIOS = (0.1, 0.01, 0.001)
@@ -48,7 +48,7 @@ EXAMPLES = {
 
 # -- defaults: the full grid ------------------------------------------------------------------------
 FULL = dict(part="steps,tta,accuracy", ranks="2,4", bandwidths=",".join(BANDWIDTHS),
-            modes=",".join(m for m in MODES if not m.endswith(" grouped")),
+            modes=",".join(m for m in MODES if m not in ON_REQUEST_MODES),
             ratios=",".join(map(str, RATIOS)), steps_example="cnn-wide", warmup=5, min_measured=6,
             max_measured=15, step_seconds=4.0, idle_seconds=4.0,
             cycle_times="1,5,20,50", cycle_modes="dense,topkef,hvd_topk artopk,hvd_topk allgather", cycle_ranks=4,

@@ -6,9 +6,11 @@ steps (after the warm-up and auto's trial) and set against the payload the schem
 """
 import statistics
 
+from hvd_topk.costmodel import HIST_BYTES
+from hvd_topk.plans import TRANSPORTS
 from hvd_topk.sparsify import k_for
 
-SCHEMES = ("dense", "fp16", "topkef", "artopk", "allgather")
+SCHEMES = ("dense", "fp16", "topkef", "artopk", "allgather", "split_reduce")
 
 
 def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
@@ -32,12 +34,14 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
       rounds in which each rank forwards one rank's block; with equal blocks of B bytes a rank sends
       (N-1) * B. The block sizes come from the controller's response (``AllgatherOp::AllocateOutput``
       reads ``response.tensor_sizes()``), so no size exchange rides on the data plane.
+    - Alltoall (split_reduce's first phase): every rank sends each other rank its block once, point
+      to point; a rank's block for itself stays in memory.
 
     Per tensor of ``numel`` elements (fp32 gradients), k = max(1, ceil(ratio * numel)):
 
-    ===========  ======================================================  ==============================
+    ============ ======================================================  ==============================
     scheme       bytes per rank per step                                 sent dense (ring, 4 B/value)
-    ===========  ======================================================  ==============================
+    ============ ======================================================  ==============================
     dense        2(N-1)/N * 4 * numel                                    every tensor
     fp16         2(N-1)/N * 2 * numel (Horovod's fp16 compressor)        every tensor
     topkef       2(N-1)/N * 4(k+1) + (N-1)/N * 4k  (k values + 1 flag    numel < min_numel (TopKEF
@@ -46,10 +50,20 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
     artopk       as topkef (hvd_topk.DistributedOptimizer, AR-Topk)      numel < min_numel or ndim <= 1
     allgather    (N-1) * (4(k+1) + 4(k+1)): two allgathers, the k        numel < min_numel or ndim <= 1
                  values + flag and the k int32 indices + flag slot
-    ===========  ======================================================  ==============================
+    split_reduce 8 * ((N-1)/N * k + (N-1)): alltoall of k rows (value    numel < min_numel or ndim <= 1
+                 + int32 index) to their region's owner and 1 flag
+                 row to every rank, the rank's own share off the link;
+                 + 2(N-1)/N * 516: allreduce of a 129-int32 histogram;
+                 + 8 * (N-1)/N * (k + N): allgatherv of the owners'
+                 kept rows (at most k in all) + 1 padding row each
+    ============ ======================================================  ==============================
+
+    split_reduce's owners keep at most k rows in all (at least k - N + 1 when there are k candidates),
+    so its allgather term is a bound, reached when they keep k; the alltoall's is exact.
 
     With ``value_bytes`` = 2 (``value_dtype=torch.float16``) the compressed tensors' values and flag
-    take 2 bytes instead of 4; indices stay int32 and tensors sent dense keep their own dtype.
+    take 2 bytes instead of 4 (split_reduce's rows: 6 bytes instead of 8); indices stay int32 and
+    tensors sent dense keep their own dtype.
 
     Args:
         scheme: one of ``SCHEMES``.
@@ -67,6 +81,8 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
         4000.0
         >>> theoretical_bytes("allgather", [["w", 10000, 2]], 1024, 0.01, 4) # 3 * 8 * 101
         2424.0
+        >>> theoretical_bytes("split_reduce", [["w", 10000, 2]], 1024, 0.01, 4)  # 8 * 78 + 1.5 * 516 + 8 * 78
+        2022.0
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
@@ -78,13 +94,16 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
     for _, numel, ndim in tensors:
         numel, ndim = int(numel), int(ndim)
         dense = (scheme in ("dense", "fp16") or numel < min_numel
-                 or (scheme in ("artopk", "allgather") and ndim <= 1))
+                 or (scheme in ("artopk", "allgather", "split_reduce") and ndim <= 1))
         if dense:
             total += ring * numel * (2 if scheme == "fp16" else 4)
             continue
         k = k_for(numel, ratio)
         if scheme == "allgather":
             total += (n - 1) * (value_bytes + 4) * (k + 1)
+        elif scheme == "split_reduce":
+            row, share = value_bytes + 4, (n - 1) / n
+            total += row * (share * k + (n - 1)) + ring * HIST_BYTES + row * share * (k + n)
         else:
             total += ring * value_bytes * (k + 1) + ((n - 1) / n * 4 * k if k < numel else 0.0)
     return total
@@ -94,17 +113,18 @@ def scheme_of(record):
     """The theoretical-bytes scheme of a run's JSON record, or None when it cannot be known.
 
     ``communication='auto'`` reports in ``hvd_topk_stats`` how many tensors (of those it may compress)
-    use each transport at the end (``auto_dense``, ``auto_artopk``, ``auto_allgather``): when they
-    all use one, that is the scheme; a mix (the per-tensor plan is not in the record) gives None."""
+    use each transport at the end (``auto_dense``, ``auto_artopk``, ``auto_allgather``,
+    ``auto_split_reduce``): when they all use one, that is the scheme; a mix (the per-tensor plan is
+    not in the record) gives None."""
     compression = record.get("compression")
     if compression in ("none", "fp16", "topkef"):
         return {"none": "dense", "fp16": "fp16", "topkef": "topkef"}[compression]
     comm = record.get("communication")
     if comm == "auto":
         stats = record.get("hvd_topk_stats") or {}
-        used = [t for t in ("dense", "artopk", "allgather") if stats.get(f"auto_{t}")]
+        used = [t for t in TRANSPORTS if stats.get(f"auto_{t}")]
         comm = used[0] if len(used) == 1 else None
-    return comm if comm in ("artopk", "allgather", "dense") else None
+    return comm if comm in TRANSPORTS else None
 
 
 def settled_step(record):

@@ -7,18 +7,21 @@ import os
 import platform
 import statistics
 
+from hvd_topk.plans import TRANSPORTS
+
 from bench.constants import AUTO_MODE, BANDWIDTHS
 from bench.grid import EXAMPLES, is_sparse, mode_warmup
 from bench.plots import plot_all
-from bench.rows import (add_relative, add_vs_dense_accuracy, auto_vs_best, median_rows, mode_name, record_fields,
-                        steps_row, tta_row)
+from bench.rows import (add_relative, add_vs_dense_accuracy, auto_vs_best, bytes_by_ranks, median_rows, mode_name,
+                        record_fields, steps_row, tta_row)
 
 STEPS_COLUMNS = ["run_id", "status", "example", "model", "label", "compression", "communication", "scheme",
                  "ratio", "ranks", "bandwidth", "burst", "cycle_ms", "repeat", "repeats", "num_params", "steps",
                  "measured_steps", "step_s", "step_s_runs", "step_s_p10", "step_s_p90", "speedup_vs_dense",
                  "speedup_vs_fp16", "link_bytes", "theoretical_bytes", "measured_over_theoretical", "excess_bytes",
                  "cp_idle_bytes_per_s_per_rank",
-                 "cp_bound_bytes", "bytes_vs_dense", "bytes_vs_fp16", "params_identical",
+                 "cp_bound_bytes", "bytes_vs_dense", "bytes_vs_fp16", "split_kept", "split_imbalance",
+                 "params_identical",
                  "test_accuracy", "test_loss", "wall_s", "job_s", "est_s", "command", "error"]
 CP_COLUMNS = ["ranks", "bandwidth", "cycle_ms", "idle_s", "measured_s", "tx_bytes", "bytes_per_s",
               "bytes_per_s_per_rank", "allreduce_op_bytes", "broadcast_op_bytes", "status", "error"]
@@ -167,6 +170,9 @@ def notes(o):
         "* numel; topkef and artopk 2(N-1)/N * 4(k+1) + (N-1)/N * 4k (values + flag allreduced, the leader's "
         "int32 index set shared: (N-1) * 4k on the link, averaged over the ranks, whether broadcast or, since "
         "one allgather per step carries every set, forwarded around the ring); allgather (N-1) * 8(k+1); "
+        "split_reduce 8((N-1)/N * k + N-1) (alltoall of the top-k rows of value + int32 index to their "
+        "region's owner and a flag row to every rank) + 2(N-1)/N * 516 (histogram allreduce) + 8(N-1)/N * "
+        "(k + N) (allgatherv of the at most k kept rows and a padding row per owner: a bound); "
         "with float16 values (mode 'hvd_topk allgather fp16', `value_dtype=torch.float16`) a compressed "
         "tensor's values and flag take 2 bytes instead of 4 (allgather (N-1) * 6(k+1)).",
         "- **Step windows.** Each step's bytes are counted from the previous step's end to its own end on "
@@ -191,8 +197,8 @@ def notes(o):
         "with float16 values ('hvd_topk allgather fp16') it is 3/4 of that, 0.03 = 1/33.",
         "- **TopKEF vs hvd_topk.** TopKEF (stock Horovod's Compressor) compresses every tensor of at least "
         "min_numel elements, 1-D included; hvd_topk.DistributedOptimizer sends 1-D tensors dense.",
-        "- **auto.** Its first steps probe the link and may measure up to 4 plans in turns of 4 steps, for 5 to 21 "
-        f"rounds; its steps are measured after {mode_warmup(AUTO_MODE)} warm-up steps, or after its trial "
+        f"- **auto.** Its first steps probe the link and may measure up to {1 + len(TRANSPORTS)} plans in turns of "
+        "4 steps, for 5 to 21 rounds; its steps are measured after {mode_warmup(AUTO_MODE)} warm-up steps, or after its trial "
         "when that takes longer. Its theoretical bytes are given when all "
         "its tensors use one transport (from `hvd_topk_stats`), else left empty.",
         "- **Time to accuracy.** The budget is checked at step boundaries, so a run's last step can end past it "
@@ -205,7 +211,8 @@ def notes(o):
 def write_report(path, o, steps, cycle, cp, tta, acc, pngs, command, runs=None):
     """report.md: check list, setup, control plane, step tables (medians with ``runs``, every repeat's
     runs, after --repeats), repeats, TTA, accuracy, notes, commands."""
-    L = _head_section(o, steps, acc, command, runs) + _control_plane_section(cp) + _steps_section(steps)
+    L = (_head_section(o, steps, acc, command, runs) + _control_plane_section(cp) + _steps_section(steps)
+         + _ranks_section(steps))
     if runs:
         L += _repeats_section(runs)
     L += _cycle_section(cycle)
@@ -290,6 +297,38 @@ def _steps_section(steps):
                          f"{fmt_number(r.get('bytes_vs_dense'), '.4f')} | "
                          f"{'yes' if r.get('params_identical') else 'NO'} |")
             L.append("")
+    return L
+
+
+def _ranks_section(steps):
+    """Markdown: link bytes per rank per step against the rank count, per link (empty unless a mode ran
+    at two rank counts or more)."""
+    cells = bytes_by_ranks(steps)
+    if not cells:
+        return []
+    L = ["## Link bytes against the rank count", "",
+         "Per rank per step, measured and theoretical, for every mode run at several rank counts; growth: "
+         "bytes over the same mode's at its fewest ranks (measured, and theoretical in brackets). More ranks "
+         "than cores make steps slow, not bytes different: the table is bytes, not time. owners' imbalance "
+         "(split_reduce): the largest owner's kept rows over the mean, last step.", ""]
+    for bw in BANDWIDTHS:
+        rows = [(key, rs) for key, rs in cells if key[1] == bw]
+        if not rows:
+            continue
+        examples = sorted({key[0] for key, _ in rows})
+        L += [f"### {bw}" + (f" ({', '.join(examples)})" if examples else ""), "",
+              "| mode | ranks | link bytes | theoretical | measured/theoretical | growth | owners' imbalance |",
+              "|---|---:|---:|---:|---:|---|---:|"]
+        for (example, _, _, name), rs in rows:
+            label = name if len(examples) == 1 else f"{name} ({example})"
+            for r in rs:
+                growth = ("-" if r.get("growth") is None else f"{r['growth']:.2f}x") + (
+                    "" if r.get("theoretical_growth") is None else f" ({r['theoretical_growth']:.2f}x)")
+                L.append(f"| {label} | {r['ranks']} | {fmt_number(r['link_bytes'])} | "
+                         f"{fmt_number(r.get('theoretical_bytes'))} | "
+                         f"{fmt_number(r.get('measured_over_theoretical'), '.3f')} | {growth} | "
+                         f"{fmt_number(r.get('split_imbalance'), '.2f')} |")
+        L.append("")
     return L
 
 

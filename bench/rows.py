@@ -21,6 +21,8 @@ def steps_row(row, record, o, cp):
     ratio = stats.get("density") or record.get("ratio") or 1.0      # the ratio in use at the end
     mix = ", ".join(f"{t} {stats[f'auto_{t}']}" for t in TRANSPORTS if stats.get(f"auto_{t}"))
     row["scheme"] = scheme or (f"auto mix: {mix}" if mix else "")
+    # split_reduce: rows kept over all owners and the largest owner's share over the mean, last step
+    row.update({k: stats[k] for k in ("split_kept", "split_imbalance") if stats.get(k) is not None})
     if scheme is not None:
         theo = theoretical_bytes(scheme, record["tensors"], record["min_numel"], ratio, record["ranks"],
                                  value_bytes=2 if record.get("value_dtype") == "float16" else 4)
@@ -60,7 +62,8 @@ def add_relative(rows):
 
 # Figures of a steps row whose median over the repeats is the cell's (``median_rows``).
 MEDIAN_FIELDS = ("measured_steps", "step_s", "step_s_p10", "step_s_p90", "link_bytes", "theoretical_bytes",
-                 "measured_over_theoretical", "excess_bytes", "cp_bound_bytes", "wall_s", "job_s")
+                 "measured_over_theoretical", "excess_bytes", "cp_bound_bytes", "split_kept", "split_imbalance",
+                 "wall_s", "job_s")
 
 
 def median_rows(rows):
@@ -87,6 +90,30 @@ def median_rows(rows):
                        error="; ".join(f"{r['run_id']}: {r['status']}" for r in runs if r not in ok))
         out.append(row)
     return add_relative(out)
+
+
+def bytes_by_ranks(rows):
+    """Link bytes against the rank count: the ok steps rows of every (example, link, cycle, mode, ratio)
+    run at two rank counts or more, sorted by ranks, each with ``growth`` and ``theoretical_growth``:
+    its measured and theoretical bytes over those of the same cell at the fewest ranks. Returns a list
+    of (key, rows) in the rows' order."""
+    cells = {}
+    for r in rows:
+        if r["status"] == "ok" and r.get("link_bytes") is not None:
+            key = (r["example"], r["bandwidth"], r["cycle_ms"], mode_name(r))
+            cells.setdefault(key, {})[r["ranks"]] = r      # medians: one row per rank count
+    out = []
+    for key, by_ranks in cells.items():
+        if len(by_ranks) < 2:
+            continue
+        ordered = [dict(by_ranks[n]) for n in sorted(by_ranks)]
+        base = ordered[0]
+        for r in ordered:
+            r["growth"] = r["link_bytes"] / base["link_bytes"] if base["link_bytes"] else None
+            r["theoretical_growth"] = (r["theoretical_bytes"] / base["theoretical_bytes"]
+                                       if r.get("theoretical_bytes") and base.get("theoretical_bytes") else None)
+        out.append((key, ordered))
+    return out
 
 
 def auto_vs_best(rows):

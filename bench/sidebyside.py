@@ -20,7 +20,9 @@ per-mode bytes are approximate (``bench.evidence`` measures each mode's bytes al
 
 Targets (issue: ``auto``): on a tbf-limited link auto's median step within 5% of the fastest fixed
 mode's; on the unlimited loopback within 5% of dense. The fixed modes are the transports auto chooses
-from, each fixed: dense (stock Horovod), hvd_topk allgather and hvd_topk artopk. TopKEF under stock
+from, each fixed (``bench.constants.FIXED_TRANSPORT_MODES``), of those the job runs: dense (stock
+Horovod), hvd_topk allgather, hvd_topk artopk and, when --modes names it, hvd_topk split_reduce
+(Ok-Topk's split-and-reduce, not in the default --modes). TopKEF under stock
 Horovod is measured too and auto is compared with it, but it is not one of them: it runs no DGC
 momentum correction (hvd_topk's default with a momentum optimizer; the mode ``hvd_topk artopk nomc``
 is artopk without it, to measure what it costs), and it compresses 1-D tensors, which hvd_topk sends
@@ -43,7 +45,8 @@ from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT, TBF_BURST
 from bench.constants import FIXED_TRANSPORT_MODES as FIXED
 
 MODES = ("dense", "topkef", "hvd_topk allgather", "hvd_topk artopk", AUTO)
-EXTRA_MODES = ("hvd_topk artopk nomc",)                           # artopk, momentum_correction=False
+# on request: artopk with momentum_correction=False; split_reduce, a fixed mode of the target
+EXTRA_MODES = ("hvd_topk artopk nomc", "hvd_topk split_reduce")
 TARGET = 0.05
 
 
@@ -208,7 +211,7 @@ def report(results, command, pooled_results=()):
           "the same round.", "",
           "Same plan: auto against the fixed mode that runs the transport auto chose, in the same job (the "
           "spread between two equal configurations).", "",
-          "Fixed modes: dense, hvd_topk allgather and hvd_topk artopk, the transports auto chooses from. TopKEF "
+          f"Fixed modes: {', '.join(FIXED)} (of those the job ran), the transports auto chooses from. TopKEF "
           "(no momentum correction; 1-D tensors compressed) is not one of them; auto against it is given apart.", "",
           "| link | repeat | auto chose | auto vs fastest fixed | paired | auto vs dense | same plan | target "
           "| auto vs TopKEF |",

@@ -57,8 +57,12 @@ def add_compression_args(parser):
     g.add_argument("--groups", type=int, default=0,
                    help="Horovod's groups: the gradients split into N groups, each sent as one grouped collective "
                         "once all its gradients are ready (fewer, larger messages); 0: no groups")
-    g.add_argument("--communication", choices=["artopk", "allgather", "split_reduce", "dense", "auto"], default="artopk",
-                   help="hvd_topk: transport")
+    g.add_argument("--communication", choices=["artopk", "allgather", "split_reduce", "dense", "auto"],
+                   default="artopk",
+                   help="hvd_topk: transport: artopk (AR-Topk: one shared index set, values allreduced), allgather "
+                        "(every rank's own top-k gathered), split_reduce (Ok-Topk: top-k rows to their index "
+                        "region's owner, reduced there, the kept rows gathered), dense, or auto (chosen per tensor "
+                        "from a probe of the link and timed trials)")
     g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
     g.add_argument("--selection", choices=["layerwise", "global"], default="layerwise",
                    help="hvd_topk: top-k per tensor, or over all compressed tensors at once")

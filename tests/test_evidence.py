@@ -45,6 +45,20 @@ def test_theoretical_bytes_by_hand():
     # 2 ranks: ring 1.0, broadcast 0.5, allgather 1
     assert theoretical_bytes("artopk", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(4 * 11 + 0.5 * 4 * 10)
     assert theoretical_bytes("allgather", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(8 * 11)
+    # split_reduce, rows of 8 bytes (value + int32 index): alltoall 0.75 * k rows + 3 flag rows, allreduce of a
+    # 516-byte histogram (ring 1.5), allgatherv of the k kept rows + 4 padding rows (0.75 of them per rank)
+    w_sr = 8 * (0.75 * 100 + 3) + 1.5 * 516 + 8 * 0.75 * (100 + 4)        # 624 + 774 + 624 = 2022
+    assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4) == pytest.approx(w_sr + 1.5 * 4 * 2048 + s_dense)
+    assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4, value_bytes=2) == pytest.approx(
+        6 * 78 + 774 + 6 * 78 + 1.5 * 4 * 2048 + s_dense)
+    assert theoretical_bytes("split_reduce", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(8 * 6 + 516 + 8 * 6)
+    # against N at k = 100: split_reduce stays near 2k rows (plus O(N) flag/padding rows and the histogram),
+    # allgather grows as (N-1)k
+    w = [["w", 10_000, 2]]
+    assert [theoretical_bytes("split_reduce", w, 0, 0.01, n) for n in (2, 4, 8)] == pytest.approx(
+        [408 + 516 + 408, 2022, 8 * (87.5 + 7) + 1.75 * 516 + 8 * 0.875 * 108])
+    assert [theoretical_bytes("allgather", w, 0, 0.01, n) for n in (2, 4, 8)] == pytest.approx(
+        [808, 2424, 7 * 808])
     # k = numel: everything plus the flag is allreduced, no index set to broadcast
     assert theoretical_bytes("artopk", [["w", 2000, 2]], 0, 1.0, 4) == pytest.approx(1.5 * 4 * 2001)
     assert theoretical_bytes("dense", TENSORS, 1024, 0.01, 1) == 0.0
@@ -57,9 +71,23 @@ def test_scheme_of_records():
     assert scheme_of({"compression": "fp16", "communication": "dense"}) == "fp16"
     assert scheme_of({"compression": "topkef", "communication": "artopk"}) == "topkef"
     assert scheme_of({"compression": "hvd_topk", "communication": "allgather"}) == "allgather"
+    assert scheme_of({"compression": "hvd_topk", "communication": "split_reduce"}) == "split_reduce"
+    assert scheme_of({"compression": "hvd_topk", "communication": "tree"}) is None
     auto = {"compression": "hvd_topk", "communication": "auto"}
     assert scheme_of({**auto, "hvd_topk_stats": {"auto_dense": 0, "auto_artopk": 4, "auto_allgather": 0}}) == "artopk"
     assert scheme_of({**auto, "hvd_topk_stats": {"auto_dense": 1, "auto_artopk": 3, "auto_allgather": 0}}) is None
+    assert scheme_of({**auto, "hvd_topk_stats": {"auto_dense": 0, "auto_artopk": 0, "auto_allgather": 0,
+                                                 "auto_split_reduce": 4}}) == "split_reduce"
+    assert scheme_of({**auto, "hvd_topk_stats": {"auto_allgather": 1, "auto_split_reduce": 3}}) is None
+
+
+def test_linkbytes_doctests():
+    """The examples in bench.linkbytes' docstrings (pytest does not collect doctests here)."""
+    import doctest
+
+    import bench.linkbytes
+    result = doctest.testmod(bench.linkbytes)
+    assert result.attempted >= 3 and result.failed == 0
 
 
 def test_measure_skips_warmup_and_needs_enough_steps():
@@ -104,9 +132,12 @@ def test_auto_warmup_follows_the_autotuner_defaults():
     import inspect
 
     from hvd_topk.auto import AutoTuner
+    from hvd_topk.plans import TRANSPORTS
     defaults = inspect.signature(AutoTuner).parameters
-    # the probe (2 steps), then 4 plans in turns of trial_steps for trial_rounds counted rounds + 1 uncounted
-    expected = 2 + 4 * defaults["trial_steps"].default * (defaults["trial_rounds"].default + 1)
+    # the probe (2 steps), then the model's plan and one uniform plan per transport in turns of trial_steps,
+    # for trial_rounds counted rounds + 1 uncounted
+    plans = 1 + len(TRANSPORTS)
+    expected = 2 + plans * defaults["trial_steps"].default * (defaults["trial_rounds"].default + 1)
     assert auto_warmup_steps() == expected
     assert grid.mode_warmup("hvd_topk auto") == expected and grid.mode_warmup("dense") == 0
 
@@ -168,6 +199,31 @@ def test_medians_over_repeats_and_auto_against_the_best_fixed_mode():
     slow = [dict(r, step_s=0.2) if r["label"] == "hvd_topk auto" else r for r in cells.values()]
     (target,) = [c for c in report.checks(slow, []) if c[0].startswith("(auto)")]
     assert target[1] is False
+
+
+def test_bytes_against_the_rank_count():
+    """Every mode run at several rank counts gets a row per count, with its growth from the fewest ranks."""
+    steps = []
+    for label, per_ranks in (("hvd_topk split_reduce", {2: (1400, 1332), 4: (2100, 2022), 8: (2500, 2415)}),
+                             ("hvd_topk allgather", {2: (850, 808), 4: (2500, 2424)}),
+                             ("hvd_topk artopk", {4: (900, 906)})):       # one rank count: no row
+        for ranks, (measured, theo) in per_ranks.items():
+            steps.append(dict(_steps_row(label, 0, 100, measured), ranks=ranks, bandwidth="unlimited",
+                              theoretical_bytes=theo, measured_over_theoretical=measured / theo))
+    steps[2]["split_imbalance"] = 1.25
+    cells = dict(rows.bytes_by_ranks(steps))
+    assert set(cells) == {("cnn-wide", "unlimited", "20", "hvd_topk split_reduce 0.01"),
+                          ("cnn-wide", "unlimited", "20", "hvd_topk allgather 0.01")}
+    split = cells[("cnn-wide", "unlimited", "20", "hvd_topk split_reduce 0.01")]
+    assert [r["ranks"] for r in split] == [2, 4, 8]
+    assert [r["growth"] for r in split] == pytest.approx([1, 1.5, 2500 / 1400])
+    assert split[2]["theoretical_growth"] == pytest.approx(2415 / 1332)
+    text = "\n".join(report._ranks_section(steps))
+    assert "## Link bytes against the rank count" in text
+    assert "| hvd_topk split_reduce 0.01 | 8 | 2,500 | 2,415 | 1.035 | 1.79x (1.81x) | 1.25 |" in text
+    assert "| hvd_topk allgather 0.01 | 4 | 2,500 | 2,424 | 1.031 | 2.94x (3.00x) | - |" in text
+    assert "artopk" not in text
+    assert report._ranks_section([r for r in steps if r["ranks"] == 4]) == []
 
 
 @pytest.mark.parametrize("auto_ms, met", [((92, 90, 93), True), ((99, 96, 100), True), ((100, 104, 101), False)])

@@ -127,3 +127,9 @@ def test_grouped_float16_and_global_jobs_agree_on_every_rank(run_ranks, np, extr
     assert all(per_rank[0][t]["stats"]["split_kept"] > 0 for t in range(8))
     for res in results[1:]:
         assert all(torch.equal(value, res["params"][name]) for name, value in results[0]["params"].items())
+
+
+def test_the_cost_model_counts_the_histogram_the_transport_sends():
+    from hvd_topk import costmodel
+    from hvd_topk.transports.split_reduce import HIST_BINS
+    assert costmodel.HIST_BYTES == (HIST_BINS + 1) * 4          # 128 bins + the outside-region count, int32
