@@ -40,9 +40,10 @@ from bench.job import job_env, namespace, preflight, recorded_command
 # label -> (the example's arguments, link): "limited" is --bandwidth, "unlimited" the bare loopback
 MODES = {
     "dense": (["--compression", "none"], "unlimited"),
-    "fixed 0.01": (["--compression", "hvd_topk", "--ratio", "0.01"], "limited"),
-    "fixed 0.001": (["--compression", "hvd_topk", "--ratio", "0.001"], "limited"),
-    "adaptive": (["--compression", "hvd_topk", "--ratio", "0.01", "--adaptive-ratio"], "limited"),
+    "fixed 0.01": (["--compression", "hvd_topk", "--communication", "artopk", "--ratio", "0.01"], "limited"),
+    "fixed 0.001": (["--compression", "hvd_topk", "--communication", "artopk", "--ratio", "0.001"], "limited"),
+    "adaptive": (["--compression", "hvd_topk", "--communication", "artopk",
+                  "--ratio", "0.01", "--adaptive-ratio"], "limited"),
 }
 COLUMNS = ["mode", "seed", "bandwidth", "test_acc", "link_bytes", "steps", "wall_s", "ratio_final",
            "ratios_used", "params_identical", "command"]
@@ -102,7 +103,8 @@ def calibrate(o):
     for c in (1.0,) + CALIBRATION_RATIOS:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "run.json")
-            args = ["--compression", "none"] if c == 1.0 else ["--compression", "hvd_topk", "--ratio", str(c)]
+            args = ["--compression", "none"] if c == 1.0 else ["--compression", "hvd_topk", "--communication", "artopk",
+                    "--ratio", str(c)]
             argv = [sys.executable, "examples/digits_cnn.py", "--model", "cnn", "--epochs", "20", "--seed", "0",
                     "--eval-every", "15", "--quiet", "--json-out", out, *args]
             with namespace(None, "1mb") as ns:

@@ -58,7 +58,7 @@ def add_compression_args(parser):
                    help="Horovod's groups: the gradients split into N groups, each sent as one grouped collective "
                         "once all its gradients are ready (fewer, larger messages); 0: no groups")
     g.add_argument("--communication", choices=["artopk", "allgather", "split_reduce", "dense", "auto"],
-                   default="artopk",
+                   default="split_reduce",
                    help="hvd_topk: transport: artopk (AR-Topk: one shared index set, values allreduced), allgather "
                         "(every rank's own top-k gathered), split_reduce (Ok-Topk: top-k rows to their index "
                         "region's owner, reduced there, the kept rows gathered), dense, or auto (chosen per tensor "

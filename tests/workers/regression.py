@@ -58,7 +58,9 @@ def train(kind, options):
     op = hvd.Sum if options.pop("op", "average") == "sum" else hvd.Average
     passes = options.pop("backward_passes_per_step", 1)
     ratio = options.pop("ratio", 0.05)
+    options.setdefault("communication", "artopk")   # the default when the reference was recorded
     if kind == "stock":
+        options.pop("communication")
         compression = hvd_topk.TopKEF(ratio=ratio, min_numel=64, sync_indices=options.pop("sync_indices", False))
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        op=op, backward_passes_per_step=passes)
