@@ -97,6 +97,9 @@ LM_CONFIGS = {
         "--compression", "hvd_topk", "--communication", "artopk",
         "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",
         "--dense-steps", "100"],
+    "AdamW top-k 0.01, update, no local momentum, split_reduce": [
+        "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",
+        "--communication", "split_reduce"],
     "AdamW dense, non-IID": ["--compression", "none", "--non-iid"],
     "AdamW top-k 0.01, update, no local momentum, allgather, non-IID": [
         "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",
