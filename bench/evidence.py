@@ -32,8 +32,8 @@ did against the best fixed mode in every repeat.
 The full grid is 154 jobs: about an hour and a half on an idle 2-core machine, a third of it job startup
 (~12-16 s a job) and much of the rest the 100 Mbit/s links' dense steps and parameter broadcasts;
 ``--dry-run`` prints the estimate by part. A steps part run at several rank counts (``--ranks 2,4,8``)
-adds a table of link bytes against the rank count to report.md. Needs root, ``ip`` and ``tc`` (iproute2): otherwise it exits with status 2 naming what is
-missing. Writes into ``--out`` (default bench/results/evidence/): steps.csv, cycle.csv,
+adds a table of link bytes against the rank count to report.md. Needs root, ``ip`` and ``tc``
+(iproute2): otherwise it exits with status 2 naming what is missing. Writes into ``--out`` (default bench/results/evidence/): steps.csv, cycle.csv,
 control_plane.csv, tta.csv, tta_curves.csv, accuracy.csv, bytes_per_step.png, speedup.png,
 tta_<example>.png, report.md, and raw/ (each run's and probe's record and the options: --report-only
 rebuilds everything from all of raw/, so parts run separately into one --out merge there), and

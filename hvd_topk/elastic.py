@@ -11,9 +11,10 @@ Horovod's own optimizer handler, which it extends:
 - ``sync`` (at the start and after every reset, collective): Horovod's ``broadcast_optimizer_state``, then
   what must be identical on every rank comes from rank 0: the step counter, the schedule (epoch, ratio)
   and the tuner's decisions. What depended on the old ranks is dropped on every rank: the shared AR-Topk
-  index sets (the next step uses the spread set), VAR's scores and split_reduce's regions (equal again). Residuals and velocities are per rank
-  and stay: a surviving rank keeps its own, a new rank starts from zero (nothing held back yet), so the
-  error-feedback invariant holds on every rank and nothing is counted twice. Parameters stay identical.
+  index sets (the next step uses the spread set), VAR's scores and split_reduce's regions (equal again).
+  Residuals and velocities are per rank and stay: a surviving rank keeps its own, a new rank starts
+  from zero (nothing held back yet), so the error-feedback invariant holds on every rank and nothing is
+  counted twice. Parameters stay identical.
 
 A reset that only removes hosts skips ``sync`` (Horovod's ``skip_sync``): the survivors were in lockstep,
 and the handles in flight when Horovod was re-initialised come back empty on every rank, so the index

@@ -82,8 +82,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             bytes flat in the number of ranks; ``hvd_topk.transports.split_reduce``), ``'dense'``
             (plain allreduce) or ``'auto'`` (per compressed tensor, the transport the cost model with
             probed alpha/beta picks; see ``hvd_topk.auto``). The default is ``'split_reduce'``: it
-            selects from every rank's accumulator, where AR-Topk's one leader's index set fell 5 points
-            behind dense on the digits CNN at 8 ranks (docs/results.md); ``'artopk'`` needs the fewest
+            selects from every rank's accumulator, where AR-Topk's one leader's index set fell 3 to 5
+            points behind dense on the digits CNN at 8 ranks (docs/results.md); ``'artopk'`` needs the fewest
             collectives per step (the lowest latency) and is what ``TopKEF`` in stock Horovod sends.
         leader: AR-Topk leader, ``'star'`` (round robin) or ``'var'`` (largest EWMA gradient norm).
         selection: ``'layerwise'`` (top-k of each tensor, sent as soon as its gradient is ready) or
