@@ -159,7 +159,7 @@ class SplitReduce:
         rows = to_rows(torch.cat([kept_values, kept_values.new_zeros(1)]), torch.cat([candidates[keep], pad]))
         handle = mpi_ops.allgather_async(rows, name=f"{self.name}.{key}.gather",
                                          process_set=self.collectives.process_set)
-        return handle, acc, sel, rows.numel() + hist.numel() * hist.element_size()
+        return handle, acc, sel, rows.numel() + (HIST_BINS + 1) * 4           # the histogram went as int32
 
     def _gather(self, key, phase):
         """Step 4: the aggregate, identical on every rank, and what left this rank (its kept entries)."""
