@@ -195,26 +195,25 @@ def test_stats_and_tensorboard_writer(hvd, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     from hvd_topk.stats import write_tensorboard
-    model = nn.Linear(100, 50, bias=False)
-    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        named_parameters=model.named_parameters(),
-                                        compression=TopKEF(ratio=0.02, min_numel=0), communication="artopk")
-    model(torch.randn(4, 100)).sum().backward()
-    opt.step()
-    stats = opt.stats()
+
+    def one_step(communication):
+        model = nn.Linear(100, 50, bias=False)
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(),
+                                            compression=TopKEF(ratio=0.02, min_numel=0), communication=communication)
+        model(torch.randn(4, 100)).sum().backward()
+        opt.step()
+        return opt.stats()
+
+    stats = one_step("artopk")
     assert stats["sparse_tensors"] == 1 and stats["density"] == 0.02
     assert stats["bytes_sent"] == (100 + 1) * 4          # k fp32 values + the finite flag
     assert 0 < stats["compression_gain"] < 1 and stats["residual_norm"] > 0
-    other = nn.Linear(100, 50, bias=False)
-    split = hvd_topk.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
-                                          named_parameters=other.named_parameters(),
-                                          compression=TopKEF(ratio=0.02, min_numel=0), communication="split_reduce")
-    other(torch.randn(4, 100)).sum().backward()
-    split.step()
+    split = one_step("split_reduce")
     # k rows (4-byte value + int32 index) + a flag row out, the int32 histogram (128 bins + 1), the k kept
     # rows + a padding row gathered; one rank keeps all of its top-k
-    assert split.stats()["bytes_sent"] == (100 + 1) * 8 + 129 * 4 + (100 + 1) * 8
-    assert split.stats()["split_kept"] == 100 and split.stats()["split_imbalance"] == 1.0
+    assert split["bytes_sent"] == (100 + 1) * 8 + 129 * 4 + (100 + 1) * 8
+    assert split["split_kept"] == 100 and split["split_imbalance"] == 1.0
     with SummaryWriter(str(tmp_path)) as writer:
         write_tensorboard(writer, stats, step=1)
     assert list(tmp_path.glob("events.out.tfevents.*"))

@@ -167,11 +167,11 @@ class SplitReduce:
             return Outcome(None, None)
         handle, acc, sel, nbytes = phase
         values, indices = from_rows(mpi_ops.synchronize(handle), self.value_dtype or acc.dtype)
-        n = acc.numel()
+        n, at = acc.numel(), indices.to(acc.device)
         aggregate = torch.zeros(n + 1, dtype=acc.dtype, device=acc.device)
-        aggregate[indices.to(acc.device)] = values.to(acc.dtype).to(acc.device)    # pad rows: 0 at n
+        aggregate[at] = values.to(device=acc.device, dtype=acc.dtype)              # pad rows: 0 at n
         kept = torch.zeros(n + 1, dtype=torch.bool, device=acc.device)
-        kept[indices.to(acc.device)] = True
+        kept[at] = True
         aggregate, kept_indices = aggregate[:n], indices[indices != n]
         if self.average:
             aggregate.mul_(1.0 / self.collectives.process_set.size())
