@@ -17,7 +17,7 @@ from hvd_topk.auto import (TRANSPORTS, AutoTuner, Costs, choose_ratio, plan_seco
                            trial_plans)
 from hvd_topk.sparsify import topk_energies
 
-from conftest import assert_identical_across_ranks
+from conftest import assert_identical_across_ranks, job
 
 FAST = Costs(alpha=1e-5, beta=1e-11, select_s=1e-9, pass_s=1e-10)       # 100 GB/s-class link
 SLOW = Costs(alpha=1e-4, beta=8e-8, select_s=1e-9, pass_s=1e-10)        # 100 Mbit/s
@@ -476,10 +476,14 @@ def test_error_feedback_invariant_across_transport_switches(hvd):
             assert (model.weight.grad != 0).sum() == math.ceil(0.05 * 64 * 32)
 
 
-def test_ratio_one_auto_reproduces_dense_horovod(run_ranks):
-    common = ["--steps", 16, "--nesterov", "--dtype", "float64"]
-    dense = run_ranks(2, "opt_train.py", "--mode", "stock", *common)
-    ours = run_ranks(2, "opt_train.py", "--communication", "auto", "--auto-every", 4, "--ratio", 1.0, *common)
+RATIO_ONE = ["--steps", 16, "--nesterov", "--dtype", "float64"]
+RATIO_ONE_JOBS = (job(2, "opt_train.py", "--mode", "stock", *RATIO_ONE),
+                  job(2, "opt_train.py", "--communication", "auto", "--auto-every", 4, "--ratio", 1.0, *RATIO_ONE))
+
+
+@pytest.mark.jobs(RATIO_ONE_JOBS)
+def test_ratio_one_auto_reproduces_dense_horovod(results):
+    dense, ours = map(results, RATIO_ONE_JOBS)
     for name, value in dense[0]["params"].items():
         torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
 

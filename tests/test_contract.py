@@ -9,23 +9,30 @@ import pytest
 import torch
 
 from bench.infra.launch import JobFailed
-from conftest import assert_identical_across_ranks
+from conftest import assert_identical_across_ranks, job
 
 SCENARIOS = {"sparse": [], "sparse_as_dense": ["--sparse-as-dense"], "uneven": [], "gan": [],
              "sync_twice": [], "schedule": []}
 
 
-def run(run_ranks, scenario, column, *extra):
+def contract_job(scenario, column, *extra):
     name = "sparse" if scenario == "sparse_as_dense" else scenario
-    return run_ranks(2, "contract.py", "--scenario", name, "--column", column, *SCENARIOS[scenario], *extra,
-                     timeout=120)
+    # the class form keeps its state in the class, for the life of the process: a job of its own
+    return job(2, "contract.py", "--scenario", name, "--column", column, *SCENARIOS[scenario], *extra,
+               alone=column == "topkef_class")
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_ratio_one_gives_dense_horovods_parameters(run_ranks, scenario):
-    dense = run(run_ranks, scenario, "dense")
-    for column in ("topkef", "hvd_topk"):
-        ours = run(run_ranks, scenario, column, "--ratio", 1.0)
+def run_alone(run_ranks, scenario, column):
+    """A job of its own: the tests of failures time it."""
+    return run_ranks(2, "contract.py", *contract_job(scenario, column).args, timeout=120)
+
+
+@pytest.mark.parametrize("scenario,jobs", [
+    (scenario, [contract_job(scenario, column, *([] if column == "dense" else ["--ratio", 1.0]))
+                for column in ("dense", "topkef", "hvd_topk")]) for scenario in SCENARIOS], ids=list(SCENARIOS))
+def test_ratio_one_gives_dense_horovods_parameters(results, scenario, jobs):
+    dense, *columns = map(results, jobs)
+    for column, ours in zip(("topkef", "hvd_topk"), columns):
         assert_identical_across_ranks(ours)
         for name, value in dense[0]["params"].items():
             torch.testing.assert_close(ours[0]["params"][name], value, rtol=0, atol=1e-12,
@@ -34,15 +41,18 @@ def test_ratio_one_gives_dense_horovods_parameters(run_ranks, scenario):
             assert ours[0]["momenta"] == dense[0]["momenta"], column
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_compressed_keeps_ranks_identical(run_ranks, scenario):
-    for column in ("topkef", "hvd_topk"):
-        assert_identical_across_ranks(run(run_ranks, scenario, column, "--ratio", 0.1))
+@pytest.mark.parametrize("jobs", [[contract_job(scenario, column, "--ratio", 0.1) for column in ("topkef", "hvd_topk")]
+                                  for scenario in SCENARIOS], ids=list(SCENARIOS))
+def test_compressed_keeps_ranks_identical(results, jobs):
+    for ours in map(results, jobs):
+        assert_identical_across_ranks(ours)
 
 
-@pytest.mark.parametrize("scenario", ["sparse", "sparse_as_dense", "schedule"])
-def test_class_form_works_where_positions_are_stable(run_ranks, scenario):
-    assert_identical_across_ranks(run(run_ranks, scenario, "topkef_class"))
+@pytest.mark.parametrize("class_job", [contract_job(scenario, "topkef_class")
+                                       for scenario in ["sparse", "sparse_as_dense", "schedule"]],
+                         ids=["sparse", "sparse_as_dense", "schedule"])
+def test_class_form_works_where_positions_are_stable(results, class_job):
+    assert_identical_across_ranks(results(class_job))
 
 
 @pytest.mark.parametrize("scenario", ["uneven", "gan", "sync_twice"])
@@ -51,25 +61,34 @@ def test_class_form_fails_on_every_rank_naming_the_fix(run_ranks, scenario):
     rank raises within seconds, naming TopKEF(named_parameters=...)."""
     t0 = time.monotonic()
     with pytest.raises(JobFailed) as failed:
-        run(run_ranks, scenario, "topkef_class")
+        run_alone(run_ranks, scenario, "topkef_class")
     assert time.monotonic() - t0 < 60
     for rank in (0, 1):
         lines = [line for line in failed.value.output.splitlines() if line.startswith(f"[{rank}]")]
         assert any("named_parameters=model.named_parameters()" in line for line in lines), f"rank {rank}"
 
 
-def test_process_sets_train_apart_and_ratio_one_is_dense(run_ranks):
+PROCESS_SETS = {"dense": job(4, "process_sets.py", "--column", "dense"),
+                "topkef": job(4, "process_sets.py", "--column", "topkef"),
+                "hvd_topk": job(4, "process_sets.py", "--column", "hvd_topk"),
+                "topkef sparse": job(4, "process_sets.py", "--column", "topkef", "--ratio", 0.1, "--leader", "star"),
+                "hvd_topk sparse": job(4, "process_sets.py", "--column", "hvd_topk", "--ratio", 0.1, "--leader", "var")}
+
+
+@pytest.mark.jobs(list(PROCESS_SETS.values()))
+def test_process_sets_train_apart_and_ratio_one_is_dense(results):
     """Two process sets of 2 ranks each train their own model: within a set the ranks stay identical,
-    ratio 1.0 gives stock Horovod's parameters in both columns, and the two sets differ."""
-    dense = run_ranks(4, "process_sets.py", "--column", "dense", timeout=180)
+    ratio 1.0 gives stock Horovod's parameters in both columns, and the two sets differ. (In a shared
+    launch a job's ``hvd.init(process_sets=...)`` binds its new ProcessSet objects to the sets the
+    first job registered: the same ranks, so the same sets.)"""
+    dense = results(PROCESS_SETS["dense"])
     for column in ("topkef", "hvd_topk"):
-        ours = run_ranks(4, "process_sets.py", "--column", column, timeout=180)
+        ours = results(PROCESS_SETS[column])
         for r in range(4):
             for name, value in dense[r]["params"].items():
                 torch.testing.assert_close(ours[r]["params"][name], value, rtol=0, atol=1e-12,
                                            msg=f"{column}, rank {r}: {name}")
-        sparse = run_ranks(4, "process_sets.py", "--column", column, "--ratio", 0.1, "--leader", "var"
-                           if column == "hvd_topk" else "star", timeout=180)
+        sparse = results(PROCESS_SETS[f"{column} sparse"])
         for pair in ((0, 1), (2, 3)):
             assert_identical_across_ranks([sparse[r] for r in pair])
         assert not torch.equal(sparse[0]["params"]["0.weight"], sparse[2]["params"]["0.weight"])

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import hvd_topk
-from conftest import ROOT, WORKERS, assert_identical_across_ranks
+from conftest import ROOT, WORKERS, OutOf, assert_identical_across_ranks, job
 from hvd_topk.checkpoint import CheckpointError
 from bench.infra.launch import JobFailed, run_job
 
@@ -91,12 +91,15 @@ def residual_bound(grad_norms, momentum=0.9):
     return bound
 
 
-def test_straggler_completes_with_bounded_residuals(run_ranks, record_property):
+STRAGGLER = ["--ratio", 0.01, "--steps", 30, "--work", 0.01]
+STRAGGLER_JOBS = (job(2, "faults.py", *STRAGGLER), job(2, "faults.py", *STRAGGLER, "--slow-rank", 1, "--slow-factor", 10))
+
+
+@pytest.mark.jobs(STRAGGLER_JOBS)
+def test_straggler_completes_with_bounded_residuals(results, record_property):
     """2 ranks, ratio 0.01, 30 steps; rank 1 takes 10x as long per step. The job completes with the
     same parameters and residuals as without the straggler: slowness changes timing, never results."""
-    common = ["--ratio", 0.01, "--steps", 30, "--work", 0.01]
-    even = run_ranks(2, "faults.py", *common, timeout=120)
-    slow = run_ranks(2, "faults.py", *common, "--slow-rank", 1, "--slow-factor", 10, timeout=120)
+    even, slow = map(results, STRAGGLER_JOBS)
     assert_identical_across_ranks(slow)
     for r in range(2):
         for name, value in even[r]["params"].items():
@@ -269,11 +272,14 @@ def test_checkpoint_of_another_ratio_loads_and_the_new_ratio_applies(hvd, saved)
     assert opt.stats()["ratio"] == 0.02
 
 
-def test_resume_with_another_ratio_keeps_ranks_identical(run_ranks, tmp_path):
-    first = tmp_path / "first"
-    run_ranks(2, "opt_train.py", "--steps", 10, "--ratio", 0.01, "--save-at", 4, out=first, timeout=120)
-    resumed = run_ranks(2, "opt_train.py", "--steps", 10, "--ratio", 0.05, "--resume", first / "ckpt.pt",
-                        timeout=120)
+SAVED_AT_RATIO_001 = job(2, "opt_train.py", "--steps", 10, "--ratio", 0.01, "--save-at", 4)
+RESUMED_AT_RATIO_005 = job(2, "opt_train.py", "--steps", 10, "--ratio", 0.05, "--resume",
+                           OutOf(SAVED_AT_RATIO_001, "ckpt.pt"))
+
+
+@pytest.mark.jobs(RESUMED_AT_RATIO_005)
+def test_resume_with_another_ratio_keeps_ranks_identical(results):
+    resumed = results(RESUMED_AT_RATIO_005)
     assert_identical_across_ranks(resumed)
     assert [s["ratio"] for s in resumed[0]["stats"]] == [0.05] * 5
     assert resumed[0]["state"]["step"] == 10

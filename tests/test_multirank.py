@@ -6,63 +6,83 @@ import torch
 
 from bench.infra.launch import JobFailed
 
-from conftest import assert_identical_across_ranks
+from conftest import assert_identical_across_ranks, job
 
 
-@pytest.mark.parametrize("op,bpps", [("average", 1), ("sum", 1), ("average", 2)])
-def test_ratio_one_reproduces_dense_horovod(run_ranks, op, bpps):
-    common = ["--steps", 15, "--op", op, "--bpps", bpps]
-    dense = run_ranks(2, "train.py", "--compression", "none", *common)
-    topk = run_ranks(2, "train.py", "--compression", "topkef", "--ratio", 1.0, *common)
+def dense_and_ratio_one(*common):
+    """Dense stock Horovod and TopKEF at ratio 1.0, both with the arguments ``common``."""
+    return (job(2, "train.py", "--compression", "none", *common),
+            job(2, "train.py", "--compression", "topkef", "--ratio", 1.0, *common))
+
+
+@pytest.mark.parametrize("jobs", [dense_and_ratio_one("--steps", 15, "--op", op, "--bpps", bpps)
+                                  for op, bpps in [("average", 1), ("sum", 1), ("average", 2)]],
+                         ids=["average-1", "sum-1", "average-2"])
+def test_ratio_one_reproduces_dense_horovod(results, jobs):
+    dense, topk = map(results, jobs)
     for name, value in dense[0]["params"].items():
         torch.testing.assert_close(topk[0]["params"][name], value, rtol=1e-6, atol=1e-7)
     assert_identical_across_ranks(topk)
 
 
-def test_params_bit_identical_after_200_steps_three_ranks(run_ranks):
-    results = run_ranks(3, "train.py", "--steps", 200, "--ratio", 0.01, "--width", 128, "--min-numel", 1000)
-    assert_identical_across_ranks(results)
+THREE_RANKS_200_STEPS = job(3, "train.py", "--steps", 200, "--ratio", 0.01, "--width", 128, "--min-numel", 1000)
+
+
+@pytest.mark.jobs(THREE_RANKS_200_STEPS)
+def test_params_bit_identical_after_200_steps_three_ranks(results):
+    ranks = results(THREE_RANKS_200_STEPS)
+    assert_identical_across_ranks(ranks)
     # zero_grad() set every grad to None each step (checked in the worker), yet the residuals of the
     # weights (two 128x128 layers share a shape) survived; the biases (< min_numel) went dense.
-    for res in results:
+    for res in ranks:
         shapes = sorted(tuple(v.shape) for v in res["residuals"].values())
         assert shapes == [(4096,), (16384,), (16384,)]
     # Sparse training really happened: the residuals hold mass on every rank, and differ between ranks.
-    norms = [sum(float(v.norm()) for v in res["residuals"].values() if v is not None) for res in results]
+    norms = [sum(float(v.norm()) for v in res["residuals"].values() if v is not None) for res in ranks]
     assert all(n > 0 for n in norms)
     assert len({round(n, 6) for n in norms}) == 3
 
 
-@pytest.mark.parametrize("sync", [False, True])
-def test_params_bit_identical_mpirun(run_ranks, sync):
-    extra = ["--sync-indices"] if sync else []
-    results = run_ranks(2, "train.py", "--steps", 200, "--ratio", 0.01, *extra, backend="mpi")
-    assert_identical_across_ranks(results)
+@pytest.mark.parametrize("mpirun_job", [
+    job(2, "train.py", "--steps", 200, "--ratio", 0.01, *extra, backend="mpi")
+    for extra in ([], ["--sync-indices"])], ids=["stale-indices", "sync-indices"])
+def test_params_bit_identical_mpirun(results, mpirun_job):
+    assert_identical_across_ranks(results(mpirun_job))
 
 
-def test_horovod_groups_keep_ranks_identical_and_ratio_one_dense(run_ranks):
+GROUPS_THREE_RANKS = job(3, "train.py", "--steps", 60, "--ratio", 0.02, "--width", 128, "--groups", 2)
+GROUPS_RATIO_ONE = dense_and_ratio_one("--steps", 15, "--groups", 1)
+
+
+@pytest.mark.jobs(GROUPS_THREE_RANKS, GROUPS_RATIO_ONE)
+def test_horovod_groups_keep_ranks_identical_and_ratio_one_dense(results):
     """TopKEF under stock Horovod's ``groups``: Horovod compresses a group's gradients together and
     decompresses them from one grouped allreduce; residuals and index sets follow that order."""
-    results = run_ranks(3, "train.py", "--steps", 60, "--ratio", 0.02, "--width", 128, "--groups", 2)
-    assert_identical_across_ranks(results)
-    norms = [sum(float(v.norm()) for v in res["residuals"].values() if v is not None) for res in results]
+    ranks = results(GROUPS_THREE_RANKS)
+    assert_identical_across_ranks(ranks)
+    norms = [sum(float(v.norm()) for v in res["residuals"].values() if v is not None) for res in ranks]
     assert all(n > 0 for n in norms) and len({round(n, 6) for n in norms}) == 3
-    common = ["--steps", 15, "--groups", 1]
-    dense = run_ranks(2, "train.py", "--compression", "none", *common)
-    topk = run_ranks(2, "train.py", "--compression", "topkef", "--ratio", 1.0, *common)
+    dense, topk = map(results, GROUPS_RATIO_ONE)
     for name, value in dense[0]["params"].items():
         torch.testing.assert_close(topk[0]["params"][name], value, rtol=1e-6, atol=1e-7)
 
 
-def test_sum_op_and_gradient_accumulation_keep_ranks_identical(run_ranks):
-    results = run_ranks(2, "train.py", "--steps", 40, "--op", "sum", "--bpps", 3, "--ratio", 0.05)
-    assert_identical_across_ranks(results)
+SUM_THREE_PASSES = job(2, "train.py", "--steps", 40, "--op", "sum", "--bpps", 3, "--ratio", 0.05)
 
 
-def test_nan_on_one_rank_skips_step_everywhere_and_keeps_residuals(run_ranks):
-    results = run_ranks(2, "train.py", "--steps", 12, "--nan-rank", 1, "--nan-step", 6, "--ratio", 0.05)
-    assert_identical_across_ranks(results)
-    for res in results:
+@pytest.mark.jobs(SUM_THREE_PASSES)
+def test_sum_op_and_gradient_accumulation_keep_ranks_identical(results):
+    assert_identical_across_ranks(results(SUM_THREE_PASSES))
+
+
+NAN_ON_RANK_ONE = job(2, "train.py", "--steps", 12, "--nan-rank", 1, "--nan-step", 6, "--ratio", 0.05)
+
+
+@pytest.mark.jobs(NAN_ON_RANK_ONE)
+def test_nan_on_one_rank_skips_step_everywhere_and_keeps_residuals(results):
+    ranks = results(NAN_ON_RANK_ONE)
+    assert_identical_across_ranks(ranks)
+    for res in ranks:
         assert res["nan_step_grads_finite"] is False     # every rank saw the non-finite step
         before, after = res["residual_before_nan"], res["residual_after_nan"]
         assert before.keys() == after.keys() and len(before) > 0
@@ -93,15 +113,19 @@ def test_one_allgather_per_step_gives_every_rank_each_leaders_index_set(run_rank
         assert res["state_keys"] == ["a", "b", "c"]
 
 
-def test_named_topkef_holds_when_ranks_use_different_parameters(run_ranks):
+UNEVEN = {name: job(2, "uneven_params.py", "--compression", *args) for name, args in
+          {"dense": ["none"], "exact": ["named", "--ratio", "1.0"], "sparse": ["named", "--ratio", "0.1"]}.items()}
+
+
+@pytest.mark.jobs(list(UNEVEN.values()))
+def test_named_topkef_holds_when_ranks_use_different_parameters(results):
     """Rank 1 uses fc3, rank 0 does not (Horovod allreduces rank 0's fc3 at synchronize(), out of hook
     order). TopKEF keyed by parameter name: ratio 1.0 gives dense Horovod's parameters, and at 0.1 the
     ranks stay identical."""
-    dense = run_ranks(2, "uneven_params.py", "--compression", "none")
-    exact = run_ranks(2, "uneven_params.py", "--compression", "named", "--ratio", "1.0")
+    dense, exact = results(UNEVEN["dense"]), results(UNEVEN["exact"])
     for name, value in dense[0]["params"].items():
         assert torch.equal(exact[0]["params"][name], value), f"{name} differs from dense Horovod"
-    assert_identical_across_ranks(run_ranks(2, "uneven_params.py", "--compression", "named", "--ratio", "0.1"))
+    assert_identical_across_ranks(results(UNEVEN["sparse"]))
 
 
 @pytest.mark.parametrize("form", ["positional", "class"])

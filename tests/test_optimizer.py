@@ -9,7 +9,10 @@ import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk.sparsify import k_for
 
-from conftest import assert_identical_across_ranks, assert_resume_bit_identical, assert_skipped_everywhere
+from bench.infra.launch import JobFailed
+
+from conftest import (OutOf, assert_identical_across_ranks, assert_resume_bit_identical, assert_skipped_everywhere,
+                      job, resume_jobs)
 
 
 def make(hvd, **kw):
@@ -250,32 +253,41 @@ def test_checkpoint_files_are_per_rank_and_checked(hvd, tmp_path):
 
 # -- real multi-rank jobs --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("communication,selection,groups", [
-    ("artopk", "layerwise", 0), ("allgather", "layerwise", 0), ("dense", "layerwise", 0), ("artopk", "global", 0),
-    ("artopk", "layerwise", 2), ("split_reduce", "layerwise", 0)])
-def test_ratio_one_reproduces_dense_horovod(run_ranks, communication, selection, groups):
+def ratio_one_jobs(communication, selection, groups):
     # No weight decay here: stock hvd.broadcast_optimizer_state takes a real SGD step on zero gradients,
     # which with weight decay moves the parameters; the float64 reference test covers weight decay.
     common = ["--steps", 12, "--nesterov", "--dtype", "float64"]
-    dense = run_ranks(2, "opt_train.py", "--mode", "stock", *common)
-    ours = run_ranks(2, "opt_train.py", "--communication", communication, "--selection", selection,
-                     "--ratio", 1.0, "--groups", groups, *common)
+    return (job(2, "opt_train.py", "--mode", "stock", *common),
+            job(2, "opt_train.py", "--communication", communication, "--selection", selection,
+                "--ratio", 1.0, "--groups", groups, *common))
+
+
+@pytest.mark.parametrize("jobs", [ratio_one_jobs(*case) for case in [
+    ("artopk", "layerwise", 0), ("allgather", "layerwise", 0), ("dense", "layerwise", 0), ("artopk", "global", 0),
+    ("artopk", "layerwise", 2), ("split_reduce", "layerwise", 0)]],
+    ids=["artopk-layerwise-0", "allgather-layerwise-0", "dense-layerwise-0", "artopk-global-0", "artopk-layerwise-2",
+         "split_reduce-layerwise-0"])
+def test_ratio_one_reproduces_dense_horovod(results, jobs):
+    dense, ours = map(results, jobs)
     for name, value in dense[0]["params"].items():
         torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
     assert not torch.equal(dense[0]["params"]["0.weight"], dense[0]["initial"]["0.weight"])
 
 
-@pytest.mark.parametrize("communication", ["artopk", "allgather"])
-def test_dense_steps_reproduce_dense_horovod_then_compress(run_ranks, communication):
+def dense_steps_jobs(communication):
     # Adam: the dense phase must be dense Horovod exactly (Adam's statistics start from full gradients)
     common = ["--optimizer", "adam", "--dtype", "float64", "--min-numel", 64, "--width", 64]
-    dense = run_ranks(2, "opt_train.py", "--mode", "stock", "--steps", 6, *common)
-    first = run_ranks(2, "opt_train.py", "--communication", communication, "--ratio", 0.01, "--dense-steps", 6,
-                      "--steps", 6, *common)
+    ours = ["--communication", communication, "--ratio", 0.01, "--dense-steps", 6]
+    return (job(2, "opt_train.py", "--mode", "stock", "--steps", 6, *common),
+            job(2, "opt_train.py", *ours, "--steps", 6, *common),
+            job(2, "opt_train.py", *ours, "--steps", 10, *common))
+
+
+@pytest.mark.parametrize("jobs", [dense_steps_jobs(c) for c in ["artopk", "allgather"]], ids=["artopk", "allgather"])
+def test_dense_steps_reproduce_dense_horovod_then_compress(results, jobs):
+    dense, first, longer = map(results, jobs)
     for name, value in dense[0]["params"].items():
         torch.testing.assert_close(first[0]["params"][name], value, rtol=1e-10, atol=1e-12)
-    longer = run_ranks(2, "opt_train.py", "--communication", communication, "--ratio", 0.01, "--dense-steps", 6,
-                       "--steps", 10, *common)
     assert_identical_across_ranks(longer)
     stats = longer[0]["stats"]
     assert [s["density"] for s in stats] == [1.0] * 6 + [0.01] * 4
@@ -287,23 +299,31 @@ def test_dense_steps_reproduce_dense_horovod_then_compress(run_ranks, communicat
     assert all(s["bytes_sent"] < full / 10 for s in stats[6:])
 
 
-@pytest.mark.parametrize("communication,leader,selection,np", [
-    ("artopk", "star", "layerwise", 2), ("artopk", "var", "layerwise", 3), ("allgather", "star", "layerwise", 2),
-    ("dense", "star", "layerwise", 2), ("artopk", "star", "global", 3), ("allgather", "star", "global", 2),
-    ("allgather-fp16", "star", "layerwise", 2), ("artopk-fp16-bpps2", "star", "layerwise", 2),
-    ("split_reduce", "star", "layerwise", 3), ("split_reduce-fp16", "star", "global", 4)])
-def test_params_bit_identical_after_200_steps(run_ranks, communication, leader, selection, np):
+def two_hundred_steps_job(communication, leader, selection, np):
     extra = []
     if "-fp16" in communication:                      # values in float16 on the wire
         extra += ["--value-dtype", "float16"]
     if communication.endswith("-bpps2"):              # backward_passes_per_step=2
         extra += ["--bpps", 2]
-    communication = communication.split("-")[0]
-    results = run_ranks(np, "opt_train.py", "--steps", 200, "--communication", communication,
-                        "--leader", leader, "--selection", selection, "--ratio", 0.01, "--width", 128, *extra)
-    assert_identical_across_ranks(results)
-    last = results[0]["stats"][-1]
-    if communication != "dense":
+    return job(np, "opt_train.py", "--steps", 200, "--communication", communication.split("-")[0],
+               "--leader", leader, "--selection", selection, "--ratio", 0.01, "--width", 128, *extra)
+
+
+TWO_HUNDRED_STEPS = [
+    ("artopk", "star", "layerwise", 2), ("artopk", "var", "layerwise", 3), ("allgather", "star", "layerwise", 2),
+    ("dense", "star", "layerwise", 2), ("artopk", "star", "global", 3), ("allgather", "star", "global", 2),
+    ("allgather-fp16", "star", "layerwise", 2), ("artopk-fp16-bpps2", "star", "layerwise", 2),
+    ("split_reduce", "star", "layerwise", 3), ("split_reduce-fp16", "star", "global", 4)]
+
+
+@pytest.mark.parametrize("communication,selection,long_job",
+                         [(c, s, two_hundred_steps_job(c, leader, s, np)) for c, leader, s, np in TWO_HUNDRED_STEPS],
+                         ids=["-".join(map(str, case)) for case in TWO_HUNDRED_STEPS])
+def test_params_bit_identical_after_200_steps(results, communication, selection, long_job):
+    ranks = results(long_job)
+    assert_identical_across_ranks(ranks)
+    last = ranks[0]["stats"][-1]
+    if communication.split("-")[0] != "dense":
         assert last["sparse_tensors"] == (1 if selection == "global" else 3)
         assert 0 < last["compression_gain"] < 1
         assert last["residual_norm"] > 0
@@ -316,7 +336,7 @@ def test_groups_give_the_ungrouped_result_through_horovods_grouped_collectives(r
                                                                               selection, groups, extra):
     common = ["--steps", 30, "--communication", communication, "--selection", selection, "--ratio", 0.05,
               "--width", 128, "--dtype", "float64", *extra]
-    plain = run_ranks(3, "opt_train.py", *common)
+    plain = run_ranks(3, "opt_train.py", *common)     # its own launch: the timeline below must hold one run
     timeline = tmp_path / "timeline.json"
     grouped = run_ranks(3, "opt_train.py", *common, "--groups", groups,
                         prefix=("env", f"HOROVOD_TIMELINE={timeline}"))
@@ -333,10 +353,14 @@ def test_groups_give_the_ungrouped_result_through_horovods_grouped_collectives(r
                                  r"allreduce\.hvd_topk\.values\.__global__", n) for n in ours), sorted(ours)
 
 
-def test_two_optimizers_in_one_job_keep_apart(run_ranks):
+TWO_OPTIMIZERS = job(2, "two_optimizers.py")
+
+
+@pytest.mark.jobs(TWO_OPTIMIZERS)
+def test_two_optimizers_in_one_job_keep_apart(results):
     """Two optimizers stepping in turn (AR-Topk index sets and VAR scores in flight between their steps)
     use their own collective names and end exactly where each ends when trained alone."""
-    res = run_ranks(2, "two_optimizers.py")
+    res = results(TWO_OPTIMIZERS)
     assert_identical_across_ranks(res)
     assert len(set(res[0]["tags"])) == 4 and res[0]["tags"] == res[1]["tags"]
     for name, value in res[0]["solo"].items():
@@ -344,23 +368,28 @@ def test_two_optimizers_in_one_job_keep_apart(run_ranks):
     assert not torch.equal(res[0]["params"]["m0.0.weight"], res[0]["params"]["m1.0.weight"])
 
 
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_momentum_correction_matches_float64_reference(run_ranks, nesterov):
-    ratio, lr, m, wd, min_numel = 0.05, 0.01, 0.9, 1e-3, 64
-    results = run_ranks(2, "opt_train.py", "--communication", "allgather", "--ratio", ratio, "--steps", 25,
-                        "--dtype", "float64", "--record-grads", "--min-numel", min_numel, "--lr", lr,
-                        "--weight-decay", wd, *(["--nesterov"] if nesterov else []))
-    assert_identical_across_ranks(results)
-    params = {n: v.clone() for n, v in results[0]["initial"].items()}
+MC_SETTINGS = dict(ratio=0.05, lr=0.01, m=0.9, wd=1e-3, min_numel=64)
+
+
+@pytest.mark.parametrize("nesterov,mc_job", [
+    (nesterov, job(2, "opt_train.py", "--communication", "allgather", "--ratio", MC_SETTINGS["ratio"], "--steps", 25,
+                   "--dtype", "float64", "--record-grads", "--min-numel", MC_SETTINGS["min_numel"],
+                   "--lr", MC_SETTINGS["lr"], "--weight-decay", MC_SETTINGS["wd"], *(["--nesterov"] if nesterov else [])))
+    for nesterov in (False, True)], ids=["plain", "nesterov"])
+def test_momentum_correction_matches_float64_reference(results, nesterov, mc_job):
+    ratio, lr, m, wd, min_numel = (MC_SETTINGS[k] for k in ("ratio", "lr", "m", "wd", "min_numel"))
+    ranks = results(mc_job)
+    assert_identical_across_ranks(ranks)
+    params = {n: v.clone() for n, v in ranks[0]["initial"].items()}
     # The velocities start from SGD's momentum buffers that Horovod's broadcast_optimizer_state created
     # (its step with zero gradients: wd * p), as stock Horovod's SGD does.
     u = [{n: b.reshape(-1).clone() for (_, n, key), b in res["initial_inner"].items() if key == "momentum_buffer"}
-         for res in results]
+         for res in ranks]
     assert wd == 0 or all(u), "the weight decay's buffers are expected"
-    v = [{} for _ in results]
+    v = [{} for _ in ranks]
     for t in range(25):
         update = {n: torch.zeros_like(p) for n, p in params.items()}
-        for r, res in enumerate(results):
+        for r, res in enumerate(ranks):
             for n, g in res["grads"][t].items():
                 g = g.reshape(-1) + wd * params[n].reshape(-1)              # weight decay first
                 u[r][n] = m * u[r][n] + g if n in u[r] else g.clone()
@@ -376,47 +405,54 @@ def test_momentum_correction_matches_float64_reference(run_ranks, nesterov):
                 u[r][n][idx] = 0                                        # factor masking
                 update[n] += sent.reshape(params[n].shape)
         for n in params:
-            params[n] = params[n] - lr * update[n] / len(results)
+            params[n] = params[n] - lr * update[n] / len(ranks)
     for n, p in params.items():
-        torch.testing.assert_close(results[0]["params"][n], p, rtol=1e-9, atol=1e-12)
-    for r, res in enumerate(results):                                  # per-rank state matches too
+        torch.testing.assert_close(ranks[0]["params"][n], p, rtol=1e-9, atol=1e-12)
+    for r, res in enumerate(ranks):                                  # per-rank state matches too
         for n in v[r]:
             torch.testing.assert_close(res["state"]["residuals"][n], v[r][n], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("communication,leader,selection", [
-    ("artopk", "star", "layerwise"), ("artopk", "var", "layerwise"), ("allgather", "star", "layerwise"),
-    ("artopk", "star", "global"), ("split_reduce", "star", "layerwise")])
-def test_checkpoint_resume_is_bit_identical(run_ranks, tmp_path, communication, leader, selection):
-    assert_resume_bit_identical(run_ranks, tmp_path, ["--steps", 50, "--communication", communication, "--leader",
-                                                      leader, "--ratio", 0.05, "--warmup-steps", 10, "--selection",
-                                                      selection], save_at=24)
+RESUMED = [("artopk", "star", "layerwise"), ("artopk", "var", "layerwise"), ("allgather", "star", "layerwise"),
+           ("artopk", "star", "global"), ("split_reduce", "star", "layerwise")]
 
 
-@pytest.mark.parametrize("one_tensor", [False, True])
-def test_amp_overflow_on_one_rank_skips_step_everywhere(run_ranks, one_tensor):
-    results = run_ranks(2, "opt_train.py", "--amp", "--steps", 12, "--overflow-rank", 1, "--overflow-step", 6,
-                        "--ratio", 0.05, *(["--overflow-one-tensor"] if one_tensor else []))
-    skips = assert_skipped_everywhere(results, step=6)
+@pytest.mark.parametrize("jobs", [
+    resume_jobs(["--steps", 50, "--communication", communication, "--leader", leader, "--ratio", 0.05,
+                 "--warmup-steps", 10, "--selection", selection], save_at=24)
+    for communication, leader, selection in RESUMED], ids=["-".join(case) for case in RESUMED])
+def test_checkpoint_resume_is_bit_identical(results, jobs):
+    assert_resume_bit_identical(results, jobs)
+
+
+@pytest.mark.parametrize("overflow_job", [
+    job(2, "opt_train.py", "--amp", "--steps", 12, "--overflow-rank", 1, "--overflow-step", 6, "--ratio", 0.05,
+        *(["--overflow-one-tensor"] if one_tensor else [])) for one_tensor in (False, True)],
+    ids=["loss", "one-tensor"])
+def test_amp_overflow_on_one_rank_skips_step_everywhere(results, overflow_job):
+    skips = assert_skipped_everywhere(results(overflow_job), step=6)
     assert {s["scale"] for s in skips} == {2.0 ** 7}     # backed off once, identically on both ranks
 
 
-@pytest.mark.parametrize("communication,selection,dense_steps", [
-    ("artopk", "layerwise", 0), ("allgather", "layerwise", 0), ("dense", "layerwise", 0), ("artopk", "global", 0),
-    ("artopk", "layerwise", 8), ("allgather", "layerwise", 8),    # 8: step 5 is dense (density 1)
-    ("split_reduce", "layerwise", 0)])
-def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(run_ranks, communication, selection,
-                                                                    dense_steps):
+NON_FINITE = [("artopk", "layerwise", 0), ("allgather", "layerwise", 0), ("dense", "layerwise", 0),
+              ("artopk", "global", 0), ("artopk", "layerwise", 8), ("allgather", "layerwise", 8),  # 8: step 5 is dense
+              ("split_reduce", "layerwise", 0)]
+
+
+@pytest.mark.parametrize("nan_job", [
+    job(2, "opt_train.py", "--steps", 10, "--overflow-rank", 1, "--overflow-step", 5, "--overflow-one-tensor",
+        "--ratio", 0.05, "--communication", communication, "--selection", selection, "--dense-steps", dense_steps)
+    for communication, selection, dense_steps in NON_FINITE], ids=["-".join(map(str, c)) for c in NON_FINITE])
+def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(results, nan_job):
     """Without a loss scaler: one tensor NaN on rank 1 -> step() skips on both ranks, state unchanged."""
-    results = run_ranks(2, "opt_train.py", "--steps", 10, "--overflow-rank", 1, "--overflow-step", 5,
-                        "--overflow-one-tensor", "--ratio", 0.05, "--communication", communication,
-                        "--selection", selection, "--dense-steps", dense_steps)
-    assert_skipped_everywhere(results, step=5)
+    assert_skipped_everywhere(results(nan_job), step=5)
 
 
-def test_checkpoint_from_other_world_size_is_refused(run_ranks, tmp_path):
-    first = tmp_path / "two"
-    run_ranks(2, "opt_train.py", "--steps", 10, "--save-at", 4, out=first)
-    from bench.infra.launch import JobFailed
+SAVED_BY_TWO = job(2, "opt_train.py", "--steps", 10, "--save-at", 4)
+RESUMED_BY_THREE = job(3, "opt_train.py", "--steps", 10, "--resume", OutOf(SAVED_BY_TWO, "ckpt.pt"))
+
+
+@pytest.mark.jobs(RESUMED_BY_THREE)
+def test_checkpoint_from_other_world_size_is_refused(results):
     with pytest.raises(JobFailed, match=r"no checkpoint for rank \d of 3"):
-        run_ranks(3, "opt_train.py", "--steps", 10, "--resume", str(first / "ckpt.pt"))
+        results(RESUMED_BY_THREE)

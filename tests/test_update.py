@@ -13,7 +13,8 @@ import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk.sparsify import k_for
 
-from conftest import assert_identical_across_ranks, assert_resume_bit_identical, assert_skipped_everywhere
+from conftest import (assert_identical_across_ranks, assert_resume_bit_identical, assert_skipped_everywhere, job,
+                      resume_jobs)
 
 
 def make(model, base, **kw):
@@ -111,47 +112,58 @@ def test_bad_local_momentum_raises_value_error(hvd, kw, match):
 
 # -- real multi-rank jobs --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("communication,selection,np,local_momentum", [
-    ("artopk", "layerwise", 2, "on"), ("allgather", "layerwise", 2, "on"), ("artopk", "global", 3, "on"),
-    ("auto", "layerwise", 2, "on"), ("allgather", "layerwise", 3, "off")])
-def test_params_identical_with_local_adam(run_ranks, communication, selection, np, local_momentum):
-    results = run_ranks(np, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--weight-decay", 1e-4,
-                        "--steps", 60, "--communication", communication, "--selection", selection,
-                        "--ratio", 0.05, "--auto-every", 10, "--dense-steps", 3, "--local-momentum", local_momentum,
-                        timeout=300)
-    assert_identical_across_ranks(results)
-    last = results[0]["stats"][-1]
+LOCAL_ADAM = [("artopk", "layerwise", 2, "on"), ("allgather", "layerwise", 2, "on"), ("artopk", "global", 3, "on"),
+              ("auto", "layerwise", 2, "on"), ("allgather", "layerwise", 3, "off")]
+
+
+@pytest.mark.parametrize("communication,adam_job", [
+    (communication, job(np, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--weight-decay", 1e-4,
+                        "--steps", 60, "--communication", communication, "--selection", selection, "--ratio", 0.05,
+                        "--auto-every", 10, "--dense-steps", 3, "--local-momentum", local_momentum))
+    for communication, selection, np, local_momentum in LOCAL_ADAM], ids=["-".join(map(str, c)) for c in LOCAL_ADAM])
+def test_params_identical_with_local_adam(results, communication, adam_job):
+    ranks = results(adam_job)
+    assert_identical_across_ranks(ranks)
+    last = ranks[0]["stats"][-1]
     if communication == "auto":              # its plan (dense is right for a model this small) is agreed
-        assert results[0]["auto"]["history"] and all(r["auto"] == results[0]["auto"] for r in results)
+        assert ranks[0]["auto"]["history"] and all(r["auto"] == ranks[0]["auto"] for r in ranks)
     else:
         assert 0 < last["compression_gain"] < 1 and last["residual_norm"] > 0
-    assert not torch.equal(results[0]["params"]["0.weight"], results[0]["initial"]["0.weight"])
+    assert not torch.equal(ranks[0]["params"]["0.weight"], ranks[0]["initial"]["0.weight"])
     # the local optimizers' states differ (each saw its own gradients); the parameters do not
     key = ("opt", "0.weight", "exp_avg")
-    assert not torch.equal(results[0]["inner"][key], results[1]["inner"][key])
+    assert not torch.equal(ranks[0]["inner"][key], ranks[1]["inner"][key])
 
 
-def test_ratio_one_with_plain_sgd_reproduces_dense_horovod(run_ranks):
+PLAIN_SGD = ["--steps", 12, "--momentum", 0, "--dtype", "float64", "--lr", 0.05]
+PLAIN_SGD_JOBS = (job(2, "opt_train.py", "--mode", "stock", *PLAIN_SGD),
+                  job(2, "opt_train.py", "--compress", "update", "--ratio", 1.0, *PLAIN_SGD))
+
+
+@pytest.mark.jobs(PLAIN_SGD_JOBS)
+def test_ratio_one_with_plain_sgd_reproduces_dense_horovod(results):
     """Plain SGD is linear in the gradient, so the mean of the local updates is dense Horovod's update."""
-    common = ["--steps", 12, "--momentum", 0, "--dtype", "float64", "--lr", 0.05]
-    dense = run_ranks(2, "opt_train.py", "--mode", "stock", *common)
-    ours = run_ranks(2, "opt_train.py", "--compress", "update", "--ratio", 1.0, *common)
+    dense, ours = map(results, PLAIN_SGD_JOBS)
     for name, value in dense[0]["params"].items():
         torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
     assert not torch.equal(dense[0]["params"]["0.weight"], dense[0]["initial"]["0.weight"])
 
 
-@pytest.mark.parametrize("one_tensor", [False, True])
-def test_non_finite_on_one_rank_skips_the_step_and_keeps_every_state(run_ranks, one_tensor):
+@pytest.mark.parametrize("overflow_job", [
+    job(2, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--steps", 10, "--overflow-rank", 1,
+        "--overflow-step", 5, "--ratio", 0.05, *(["--overflow-one-tensor"] if one_tensor else []))
+    for one_tensor in (False, True)], ids=["loss", "one-tensor"])
+def test_non_finite_on_one_rank_skips_the_step_and_keeps_every_state(results, overflow_job):
     """Rank 1's gradient is non-finite at step 5: no rank steps its optimizer (Adam's moments unchanged),
     residuals and parameters unchanged on both; step 6 goes on."""
-    results = run_ranks(2, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--steps", 10,
-                        "--overflow-rank", 1, "--overflow-step", 5, "--ratio", 0.05,
-                        *(["--overflow-one-tensor"] if one_tensor else []))
-    assert_skipped_everywhere(results, step=5)
+    assert_skipped_everywhere(results(overflow_job), step=5)
 
 
-def test_checkpoint_resume_is_bit_identical(run_ranks, tmp_path):
+RESUME_JOBS = resume_jobs(["--compress", "update", "--optimizer", "adam", "--steps", 40, "--ratio", 0.05,
+                           "--warmup-steps", 5], save_at=19)
+
+
+@pytest.mark.jobs(RESUME_JOBS)
+def test_checkpoint_resume_is_bit_identical(results):
     """The local optimizer's state is per rank: it is saved and restored with each rank's file."""
-    assert_resume_bit_identical(run_ranks, tmp_path, ["--compress", "update", "--optimizer", "adam", "--steps", 40,
-                                                      "--ratio", 0.05, "--warmup-steps", 5], save_at=19)
+    assert_resume_bit_identical(results, RESUME_JOBS)
