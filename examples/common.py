@@ -118,8 +118,9 @@ def make_distributed_optimizer(args, model, base_opt):
         ``--compression topkef`` (it holds this rank's residuals: save it with checkpoints), else None.
         hvd_topk.DistributedOptimizer keeps its residuals in its own ``state_dict()``.
 
-    Example:
-        >>> opt, comp = make_distributed_optimizer(args, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    Example (``args`` from this file's parser)::
+
+        opt, comp = make_distributed_optimizer(args, model, torch.optim.SGD(model.parameters(), lr=0.1))
     """
     named = list(model.named_parameters())
     if args.compression == "hvd_topk":

@@ -44,8 +44,9 @@ def save_checkpoint(path, model, optimizer, **extra):
     Returns:
         The path written.
 
-    Example:
-        >>> hvd_topk.save_checkpoint("ckpt/run1.pt", model, opt, epoch=epoch)
+    Example (in a training script; writes ``ckpt/run1.pt.rank<r>-of-<n>``)::
+
+        hvd_topk.save_checkpoint("ckpt/run1.pt", model, opt, epoch=epoch)
     """
     target = rank_path(path)
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)

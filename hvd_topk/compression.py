@@ -109,11 +109,15 @@ class TopKEF(Compressor):
         process_set: the optimizer's ``process_set``, if it has one: the index sets are shared within it.
 
     Example:
-        >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-        ...                                compression=TopKEF)              # ratio 0.01
+        >>> import horovod.torch as hvd, torch
+        >>> hvd.init()
+        >>> model = torch.nn.Linear(64, 32)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
         ...                                compression=TopKEF(ratio=0.001,
         ...                                                   named_parameters=model.named_parameters()))
+        >>> model(torch.randn(8, 64)).sum().backward()
+        >>> opt.step()                     # 3 of the weight's 2048 entries sent; the bias (32) dense
     """
 
     _instances = 0            # creation counter: names the index collectives identically on all ranks

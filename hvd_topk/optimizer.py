@@ -128,9 +128,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         ``skip_synchronize()`` and ``zero_grad(set_to_none=...)``, plus ``stats()`` and ``set_epoch()``.
 
     Example:
+        >>> import horovod.torch as hvd, torch, hvd_topk
+        >>> hvd.init()
+        >>> model = torch.nn.Linear(64, 32)
         >>> opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         ...                                     named_parameters=model.named_parameters(),
-        ...                                     compression=TopKEF(ratio=0.001), warmup_epochs=4)
+        ...                                     compression=hvd_topk.TopKEF(ratio=0.001), warmup_epochs=4)
+        >>> opt.set_epoch(0)
     """
     if num_groups:
         warnings.warn("num_groups has been replaced by groups in Horovod", DeprecationWarning)

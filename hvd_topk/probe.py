@@ -20,13 +20,13 @@ link (one host's loopback, one NIC for several ranks), β is the shared link's t
 the number of ranks sending at once. E.g. a 2-rank ring allreduce on one loopback limited to R
 bytes/s sends 2M bytes through it (M per rank), so t ≈ 2M/R and the probe reports β ≈ 2/R.
 
-Example:
+Example (one rank here; in a job, every rank calls ``run()``, a collective):
     >>> import horovod.torch as hvd
     >>> from hvd_topk import costmodel
     >>> from hvd_topk.probe import Probe
     >>> hvd.init()
     >>> probe = Probe()
-    >>> res = probe.run()                                   # collective: call on every rank
+    >>> res = probe.run()
     >>> best = costmodel.choose(hvd.size(), 4e6, 0.01, res.alpha, res.beta)
 """
 import math
@@ -181,9 +181,9 @@ class Probe:
         threshold: relative error of ``drift`` (default 0.25).
         name: prefix of the Horovod collective names (identical on every rank).
 
-    Example:
+    Example (every rank gets the same res.alpha and res.beta):
         >>> probe = Probe(repeats=3)
-        >>> res = probe.run()                      # every rank: res.alpha, res.beta identical
+        >>> res = probe.run()
         >>> if probe.drift(measured_comm_s=0.02, predicted_comm_s=0.01):
         ...     res = probe.run()
     """

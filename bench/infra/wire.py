@@ -35,10 +35,11 @@ class Namespace:
         burst: tbf burst (>= 1mb, or big packets are dropped at MTU 9000).
         name: namespace name; a unique one by default.
 
-    Example:
-        >>> with Namespace(rate="100mbit") as ns:
-        ...     subprocess.run(ns.prefix + ["python", "job.py"], check=True)
-        ...     print(ns.tx_bytes())
+    Example (as root)::
+
+        with Namespace(rate="100mbit") as ns:
+            subprocess.run(ns.prefix + ["python", "job.py"], check=True)
+            print(ns.tx_bytes())
     """
 
     def __init__(self, rate=None, burst="1mb", name=None):
