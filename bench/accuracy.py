@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 
-from bench.infra.launch import run_job
+from bench.infra.batch import run_batch
 from bench.infra.manifest import write_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,24 +110,36 @@ EXAMPLES = {"digits": ("digits_cnn.py", CONFIGS, "test_accuracy"),
             "lm": ("char_lm.py", LM_CONFIGS, "test_loss")}
 
 
-def run_record(config, seed, args):
-    """The JSON record of one run (``args``: np, example, and epochs + min_numel or steps)."""
+def run_records(runs, args):
+    """The JSON records of several runs, ``runs`` a list of (config, seed), made in one launch
+    (bench/infra/batch.py: each run still starts from its own seed, as in a job of its own).
+
+    ``args``: np, example, and epochs + min_numel (digits) or steps, plus lm_layers and lm_width (lm).
+    """
     example = getattr(args, "example", "digits")
     script, configs, _ = EXAMPLES[example]
-    length = ["--epochs", str(args.epochs), "--min-numel", str(args.min_numel)] if example == "digits" else \
-        ["--steps", str(args.steps)]
+    if example == "digits":
+        length = ["--epochs", str(args.epochs), "--min-numel", str(args.min_numel)]
+    else:
+        length = ["--steps", str(args.steps), "--n-layer", str(getattr(args, "lm_layers", 4)),
+                  "--d-model", str(getattr(args, "lm_width", 128))]
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "r.json")
-        argv = [sys.executable, os.path.join(ROOT, "examples", script), "--quiet", "--seed", str(seed), *length,
-                "--json-out", out, *configs[config]]
-        run_job(args.np, argv, timeout=1800, cwd=ROOT)
-        with open(out) as f:
-            return json.load(f)
+        outs = [os.path.join(tmp, f"r{i}.json") for i in range(len(runs))]
+        entries = [[os.path.join(ROOT, "examples", script), "--quiet", "--seed", str(seed), *length,
+                    "--json-out", out, *configs[config]] for (config, seed), out in zip(runs, outs)]
+        for failure in run_batch(args.np, entries, timeout_each=1800, cwd=ROOT):
+            if failure is not None:
+                raise failure
+        records = []
+        for out in outs:
+            with open(out) as f:
+                records.append(json.load(f))
+        return records
 
 
 def run(config, seed, args):
     """The metric of one run: test accuracy (digits) or test loss (LM)."""
-    return run_record(config, seed, args)[EXAMPLES[getattr(args, "example", "digits")][2]]
+    return run_records([(config, seed)], args)[0][EXAMPLES[getattr(args, "example", "digits")][2]]
 
 
 def dense_reference(config, configs):
@@ -170,6 +182,8 @@ def main():
     p.add_argument("--epochs", type=int, default=20, help="digits")
     p.add_argument("--min-numel", type=int, default=2048, help="digits: smaller tensors (the classifier) go dense")
     p.add_argument("--steps", type=int, default=600, help="lm")
+    p.add_argument("--lm-layers", type=int, default=4, help="lm: transformer blocks")
+    p.add_argument("--lm-width", type=int, default=128, help="lm: model width (d_model)")
     p.add_argument("--configs", nargs="+", default=None, help="default: every config of the example")
     p.add_argument("--out", default=None, help="folder for table.md, runs.json (and loss_curves.png for lm)")
     args = p.parse_args()
@@ -182,11 +196,12 @@ def main():
         args.seeds = [0, 1, 2] if args.example == "digits" else [0]
     records, table = {}, {}
     for config in args.configs:
-        records[config] = [run_record(config, seed, args) for seed in args.seeds]
+        records[config] = run_records([(config, seed) for seed in args.seeds], args)
         table[config] = [r[metric] for r in records[config]]
         print(f"{config}: {' '.join(f'{a:.4f}' for a in table[config])}", flush=True)
     setup = (f"{args.np} ranks, {args.epochs} epochs, min_numel {args.min_numel}" if args.example == "digits"
-             else f"{args.np} ranks, {args.steps} steps") + f", seeds {args.seeds}"
+             else f"{args.np} ranks, {args.steps} steps, {args.lm_layers}x{args.lm_width} model") + \
+        f", seeds {args.seeds}"
     lines = [setup, "", f"| config | mean {metric.replace('_', ' ')} | vs dense | per seed |", "|---|---:|---:|---|"]
     for c, v in table.items():
         ref = dense_reference(c, table)
