@@ -11,9 +11,10 @@ A failing entry ends the job (``os._exit(1)``): the other ranks may wait in its 
 ending the job frees them. Marks written before and after each entry tell the launcher which entry
 failed; ``run_batch`` reports that one as failed and starts a new job for the entries after it.
 
-    python bench/infra/batch.py PLAN.json      # what run_batch launches; PLAN: {"marks": dir, "entries": [argv, ...]}
+    python bench/infra/batch.py PLAN.json   # what run_batch launches; PLAN: {"marks", "timeout_each", "entries"}
 """
 import contextlib
+import faulthandler
 import json
 import os
 import runpy
@@ -55,6 +56,9 @@ def _run_entries(plan_path):
     for index, argv in enumerate(plan["entries"]):
         _mark(plan["marks"], index, "started")
         sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+        # An entry that hangs (a rank waiting inside a collective's C++ call, deaf to Python signals)
+        # is ended from faulthandler's own thread, with every thread's stack, after its time is up.
+        faulthandler.dump_traceback_later(plan["timeout_each"], exit=True)
         try:
             with warnings.catch_warnings(), _torch_defaults_kept():
                 runpy.run_path(argv[0], run_name="__main__")
@@ -68,6 +72,7 @@ def _run_entries(plan_path):
             print(f"batch entry {index} ({' '.join(argv)}) failed", flush=True)
             sys.stderr.flush()
             os._exit(1)
+        faulthandler.cancel_dump_traceback_later()
         _mark(plan["marks"], index, "done")
 
 
@@ -81,7 +86,7 @@ def run_batch(np, entries, timeout_each=240, **launch):
     Args:
         np: ranks of every job.
         entries: the runs, in the order they must run (a later entry may read an earlier one's files).
-        timeout_each: seconds allowed per entry; a job's timeout is this times its entries.
+        timeout_each: seconds allowed per entry: past them the entry's ranks exit, dumping their stacks.
         launch: passed to ``run_job`` (backend, prefix, env, cwd).
 
     Returns:
@@ -97,7 +102,8 @@ def run_batch(np, entries, timeout_each=240, **launch):
         with tempfile.TemporaryDirectory(prefix="batch-") as marks:
             plan = os.path.join(marks, "plan.json")
             with open(plan, "w") as f:
-                json.dump({"marks": marks, "entries": [list(map(str, entries[i])) for i in pending]}, f)
+                json.dump({"marks": marks, "timeout_each": timeout_each,
+                           "entries": [list(map(str, entries[i])) for i in pending]}, f)
             try:
                 run_job(np, [sys.executable, os.path.abspath(__file__), plan],
                         timeout=timeout_each * len(pending), **launch)
