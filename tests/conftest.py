@@ -120,8 +120,12 @@ def _jobs_in(value):
             yield from _jobs_in(v)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "jobs(*jobs): the Jobs a test reads, run with its module's other jobs")
+def pytest_collection_modifyitems(items):
+    """Tests that read jobs (``run_ranks``, ``results``) start multi-rank jobs: marked ``multirank``.
+    Tests that launch in other ways carry the mark themselves."""
+    for item in items:
+        if {"run_ranks", "results"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.multirank)
 
 
 def pytest_collection_finish(session):

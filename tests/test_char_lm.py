@@ -129,6 +129,7 @@ def test_validation_windows_are_fixed():
     assert a.min() == 0 and a.max() == 5000 - 129
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("flags", [["--compression", "topkef"],
                                    ["--compression", "hvd_topk", "--non-iid"],
                                    ["--compression", "hvd_topk", "--compress", "update", "--dense-steps", "5",

@@ -23,6 +23,8 @@ import pytest
 from bench.infra.launch import launch_command
 from conftest import ROOT, WORKERS
 
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
+
 JOB_TIMEOUT = 240
 
 

@@ -243,6 +243,8 @@ needs_tc = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not
                               reason="the grid needs root, ip and tc (network namespaces with tbf)")
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @needs_tc
 def test_quick_grid(tmp_path):
     """One 2-rank job per mode through a 1 Gbit/s link, the same code path as the full grid."""
@@ -296,6 +298,8 @@ def _ranks_of(pid):
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @needs_tc
 def test_sigterm_kills_the_job_and_deletes_its_namespace(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "bench.evidence", "--quick", "--out", str(tmp_path / "ev")],

@@ -241,6 +241,7 @@ def check_contract(res, steps=None):
     assert res["bytes_per_rank_per_step"] == pytest.approx(res["loopback_tx_bytes"] / 2 / res["steps"])
 
 
+@pytest.mark.multirank
 def test_job_mnist_from_idx_files(tmp_path):
     write_mnist(tmp_path / "mnist", n_train=200, gz=True)
     res, _ = run_digits(tmp_path, "--dataset", "mnist", "--data-dir", tmp_path / "mnist", "--max-steps", 5,
@@ -252,6 +253,7 @@ def test_job_mnist_from_idx_files(tmp_path):
     assert res["hvd_topk_stats"] is None
 
 
+@pytest.mark.multirank
 def test_job_cifar10_resnet18(tmp_path):
     write_cifar(tmp_path / "cifar")
     res, _ = run_digits(tmp_path, "--dataset", "cifar10", "--data-dir", tmp_path / "cifar", "--model",
@@ -262,6 +264,7 @@ def test_job_cifar10_resnet18(tmp_path):
     assert 10_500_000 <= res["num_params"] <= 12_000_000
 
 
+@pytest.mark.multirank
 def test_job_digits_non_iid_hvd_topk(tmp_path):
     res, text = run_digits(tmp_path, "--non-iid", "--compression", "hvd_topk", "--max-steps", 12,
                            "--eval-every", 5, "--tensorboard", tmp_path / "tb")
@@ -274,6 +277,7 @@ def test_job_digits_non_iid_hvd_topk(tmp_path):
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
 
 
+@pytest.mark.multirank
 def test_job_time_budget_stops_every_rank_at_the_same_step(tmp_path):
     res, _ = run_digits(tmp_path, "--time-budget", 1.0, "--epochs", 100, "--compression", "topkef")
     check_contract(res)                           # identical parameters: both ranks ran the same steps

@@ -61,6 +61,7 @@ def run_killed_job(tmp_path, np, backend, mode):
     return returned - killed, gone - killed, failed.value
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("mode", ["hvd_topk", "topkef"])
 def test_sigkilled_rank_ends_every_rank(tmp_path, record_property, backend, mode):

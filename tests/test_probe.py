@@ -78,6 +78,7 @@ def test_probe_at_world_size_one_sends_nothing(hvd):
 
 # --- real jobs ---------------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_two_ranks_get_identical_positive_alpha_beta(tmp_path):
     """Default schedule on an unlimited loopback: cheap, bit-identical on both ranks, positive."""
     ranks = probe_job(tmp_path, "--collectives", "allreduce", "broadcast", "--extension")
@@ -106,6 +107,7 @@ def test_two_ranks_get_identical_positive_alpha_beta(tmp_path):
     assert ranks[0]["probes"]["allreduce"]["wall_s"] < 3.0
 
 
+@pytest.mark.multirank
 @pytest.mark.skipif(not can_make_namespace(), reason="network namespaces need root and iproute2 (CI runs as root)")
 def test_beta_matches_a_100mbit_tbf_link(tmp_path):
     """Inside a namespace whose loopback is limited to R = 100 Mbit/s by tbf, both ranks' traffic shares

@@ -67,6 +67,8 @@ def test_bad_arguments_name_the_flag(capsys, argv, match):
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and ip (network namespace)")
 def test_one_real_job_interleaves_dense_and_auto(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.sidebyside", "--bandwidths", "unlimited", "--modes",

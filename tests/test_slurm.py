@@ -287,6 +287,8 @@ def uninterrupted(cluster):
     return job_id, info, out, ckpt
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @needs_root
 def test_cpu_job_topkef_completes_with_accuracy(cluster, uninterrupted):
     """sbatch slurm/train_cpu.sbatch examples/digits_cnn.py --compression topkef: 2 ranks, completes."""
@@ -305,6 +307,8 @@ def test_cpu_job_topkef_completes_with_accuracy(cluster, uninterrupted):
         assert state["extra"]["compressor"]["residuals"], "TopKEF residuals missing from the checkpoint"
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @needs_root
 def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster, uninterrupted):
     """scancel --signal=USR1 --batch mid-run: per-rank checkpoints, requeue, resume, same end state."""
@@ -327,6 +331,8 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster, uninterrupted):
         torch.testing.assert_close(a["optimizer"]["state"], b["optimizer"]["state"], rtol=0, atol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @needs_root
 def test_mpirun_launcher_requeues_hvd_topk(cluster):
     """HVD_TOPK_LAUNCHER=mpirun (Open MPI inside the allocation) forwards USR1 and passes on exit 85;
@@ -351,6 +357,8 @@ def _rank_alive(pid, marker):
         return False
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @needs_root
 def test_sigkilled_rank_ends_the_job_step(cluster, record_property):
     """srun --mpi=pmix through slurm/train_cpu.sbatch, 2 ranks: rank 1 SIGKILLs itself between backward
@@ -381,6 +389,8 @@ def test_sigkilled_rank_ends_the_job_step(cluster, record_property):
     assert not any(os.path.exists(os.path.join(data, f"rank{r}.pt")) for r in range(2))
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @needs_root
 def test_sweep_submits_an_array_and_collects_a_table(cluster, tmp_path):
     """slurm/sweep.py: a 2-point grid as a job array (1 rank per task), then results.csv/.md."""

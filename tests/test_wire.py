@@ -33,6 +33,8 @@ def test_topkef_sends_at_most_one_twentieth_of_dense_on_the_wire(run_ranks):
     assert topk <= dense / 20
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @needs_netns
 def test_digits_demo_accuracy_and_bytes(tmp_path):
     """The main job's two runs: TopKEF at 0.01 within 2 points of dense, and far fewer bytes."""
