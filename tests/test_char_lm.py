@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bench.infra.launch import run_job
+from bench.infra.batch import run_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "char_lm.py")
@@ -129,16 +129,29 @@ def test_validation_windows_are_fixed():
     assert a.min() == 0 and a.max() == 5000 - 129
 
 
+TWO_RANK_FLAGS = [["--compression", "topkef"],
+                  ["--compression", "hvd_topk", "--non-iid"],
+                  ["--compression", "hvd_topk", "--compress", "update", "--dense-steps", "5", "--local-momentum", "off",
+                   "--communication", "allgather"]]
+
+
+@pytest.fixture(scope="module")
+def two_rank_jobs(tmp_path_factory):
+    """Each flag set's (result file, failure or None): the three 2-rank jobs in one launch."""
+    tmp = tmp_path_factory.mktemp("char_lm")
+    outs = [tmp / f"r{i}.json" for i in range(len(TWO_RANK_FLAGS))]
+    entries = [[SCRIPT, "--quiet", "--max-steps", "20", "--eval-every", "10", "--batch-size", "8", "--eval-windows",
+                "32", "--json-out", out, *flags] for flags, out in zip(TWO_RANK_FLAGS, outs)]
+    return list(zip(outs, run_batch(2, entries, cwd=ROOT)))
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("flags", [["--compression", "topkef"],
-                                   ["--compression", "hvd_topk", "--non-iid"],
-                                   ["--compression", "hvd_topk", "--compress", "update", "--dense-steps", "5",
-                                    "--local-momentum", "off", "--communication", "allgather"]])
-def test_two_rank_job(tmp_path, flags):
-    out = tmp_path / "r.json"
-    argv = [sys.executable, SCRIPT, "--quiet", "--max-steps", "20", "--eval-every", "10",
-            "--batch-size", "8", "--eval-windows", "32", "--json-out", str(out), *flags]
-    run_job(2, argv, timeout=240, cwd=ROOT)
+@pytest.mark.parametrize("index", range(len(TWO_RANK_FLAGS)), ids=["topkef", "hvd_topk-non-iid", "update"])
+def test_two_rank_job(two_rank_jobs, index):
+    flags = TWO_RANK_FLAGS[index]
+    out, failure = two_rank_jobs[index]
+    if failure is not None:
+        raise failure
     r = json.loads(out.read_text())
     assert r["example"] == "char_lm" and r["compression"] == flags[1] and r["ranks"] == 2
     assert r["dataset"] == char_lm.DEFAULT_CORPUS and r["model"] == "gpt-4x128"

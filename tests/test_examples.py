@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.infra.batch import run_batch
 from bench.infra.launch import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,11 +242,35 @@ def check_contract(res, steps=None):
     assert res["bytes_per_rank_per_step"] == pytest.approx(res["loopback_tx_bytes"] / 2 / res["steps"])
 
 
+@pytest.fixture(scope="module")
+def shared_jobs(tmp_path_factory):
+    """The jobs whose output text is not read, in one launch: name -> (result JSON path, failure or None)."""
+    tmp = tmp_path_factory.mktemp("examples")
+    write_mnist(tmp / "mnist", n_train=200, gz=True)
+    write_cifar(tmp / "cifar")
+    flags = {
+        "mnist": ["--dataset", "mnist", "--data-dir", tmp / "mnist", "--max-steps", 5, "--eval-every", 2,
+                  "--compression", "topkef", "--groups", 2],
+        "cifar10": ["--dataset", "cifar10", "--data-dir", tmp / "cifar", "--model", "resnet18", "--batch-size", 8,
+                    "--max-steps", 2, "--compression", "none"],
+        "time budget": ["--time-budget", 1.0, "--epochs", 100, "--compression", "topkef"],
+    }
+    outs = {name: tmp / f"{name.replace(' ', '_')}.json" for name in flags}
+    entries = [[os.path.join(EXAMPLES, "digits_cnn.py"), "--quiet", "--json-out", outs[name], *map(str, f)]
+               for name, f in flags.items()]
+    return dict(zip(flags, zip(outs.values(), run_batch(2, entries, timeout_each=150, cwd=ROOT))))
+
+
+def shared_result(shared_jobs, name):
+    out, failure = shared_jobs[name]
+    if failure is not None:
+        raise failure
+    return json.loads(out.read_text())
+
+
 @pytest.mark.multirank
-def test_job_mnist_from_idx_files(tmp_path):
-    write_mnist(tmp_path / "mnist", n_train=200, gz=True)
-    res, _ = run_digits(tmp_path, "--dataset", "mnist", "--data-dir", tmp_path / "mnist", "--max-steps", 5,
-                        "--eval-every", 2, "--compression", "topkef", "--groups", 2)
+def test_job_mnist_from_idx_files(shared_jobs):
+    res = shared_result(shared_jobs, "mnist")
     check_contract(res, steps=5)
     assert (res["dataset"], res["model"], res["non_iid"], res["ratio"], res["groups"]) == ("mnist", "cnn", False,
                                                                                         0.01, 2)
@@ -254,10 +279,8 @@ def test_job_mnist_from_idx_files(tmp_path):
 
 
 @pytest.mark.multirank
-def test_job_cifar10_resnet18(tmp_path):
-    write_cifar(tmp_path / "cifar")
-    res, _ = run_digits(tmp_path, "--dataset", "cifar10", "--data-dir", tmp_path / "cifar", "--model",
-                        "resnet18", "--batch-size", 8, "--max-steps", 2, "--compression", "none")
+def test_job_cifar10_resnet18(shared_jobs):
+    res = shared_result(shared_jobs, "cifar10")
     check_contract(res, steps=2)
     assert (res["dataset"], res["model"], res["ratio"], res["communication"]) == \
         ("cifar10", "resnet18", None, "dense")
@@ -278,8 +301,8 @@ def test_job_digits_non_iid_hvd_topk(tmp_path):
 
 
 @pytest.mark.multirank
-def test_job_time_budget_stops_every_rank_at_the_same_step(tmp_path):
-    res, _ = run_digits(tmp_path, "--time-budget", 1.0, "--epochs", 100, "--compression", "topkef")
+def test_job_time_budget_stops_every_rank_at_the_same_step(shared_jobs):
+    res = shared_result(shared_jobs, "time budget")
     check_contract(res)                           # identical parameters: both ranks ran the same steps
     assert res["steps"] < 100 * 44
     assert res["wall_s"] >= 1.0
