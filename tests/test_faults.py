@@ -61,6 +61,7 @@ def run_killed_job(tmp_path, np, backend, mode):
     return returned - killed, gone - killed, failed.value
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("mode", ["hvd_topk", "topkef"])
@@ -96,6 +97,7 @@ STRAGGLER = ["--ratio", 0.01, "--steps", 30, "--work", 0.01]
 STRAGGLER_JOBS = (job(2, "faults.py", *STRAGGLER), job(2, "faults.py", *STRAGGLER, "--slow-rank", 1, "--slow-factor", 10))
 
 
+@pytest.mark.slow
 @pytest.mark.jobs(STRAGGLER_JOBS)
 def test_straggler_completes_with_bounded_residuals(results, record_property):
     """2 ranks, ratio 0.01, 30 steps; rank 1 takes 10x as long per step. The job completes with the
@@ -320,6 +322,7 @@ def assert_trained_like_dense(results):
         assert not torch.equal(runs[kind]["0.weight"], runs["dense"]["0.weight"]), kind
 
 
+@pytest.mark.slow
 def test_mpi4py_comm_world(run_ranks):
     """hvd.init(comm=MPI.COMM_WORLD) under mpirun, 2 ranks."""
     results = run_ranks(2, "mpi4py_comm.py", backend="mpi", timeout=180)
@@ -327,6 +330,7 @@ def test_mpi4py_comm_world(run_ranks):
     assert_trained_like_dense(results)
 
 
+@pytest.mark.slow
 def test_mpi4py_split_communicators_train_independently(run_ranks):
     """4 ranks, COMM_WORLD split by rank % 2: hvd.init(comm=half); each half is a 2-rank Horovod job."""
     results = run_ranks(4, "mpi4py_comm.py", "--split", backend="mpi", timeout=300)

@@ -43,6 +43,7 @@ def test_params_bit_identical_after_200_steps_three_ranks(results):
     assert len({round(n, 6) for n in norms}) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mpirun_job", [
     job(2, "train.py", "--steps", 200, "--ratio", 0.01, *extra, backend="mpi")
     for extra in ([], ["--sync-indices"])], ids=["stale-indices", "sync-indices"])

@@ -329,6 +329,7 @@ def test_params_bit_identical_after_200_steps(results, communication, selection,
         assert last["residual_norm"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("communication,selection,groups,extra", [
     ("artopk", "layerwise", 1, []), ("allgather", "layerwise", 2, []), ("artopk", "global", 1, []),
     ("allgather", "layerwise", 2, ["--compress", "update", "--optimizer", "adam"])])
