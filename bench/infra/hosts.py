@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["HostsUnavailable", "missing_requirements", "Host", "EmulatedHosts", "down_all", "main"]
+__all__ = ["HostsUnavailable", "cannot_make_namespaces", "missing_requirements", "Host", "EmulatedHosts", "down_all", "main"]
 
 SUBNET = "10.77.0"
 NETNS_PREFIX = "hvdhosts-"                         # namespaces: hvdhosts-switch, hvdhosts-node1, ...
@@ -53,11 +53,25 @@ def _run(cmd, check=True, timeout=30, **kw):
     return proc
 
 
+def cannot_make_namespaces():
+    """Why this process cannot make network namespaces (not root, no kernel or container support), or
+    None. Only this is a reason to skip; a missing tool is a missing install (scripts/install.sh)."""
+    if os.geteuid() != 0:
+        return "needs root: network namespaces, veth pairs and sshd need root (run with sudo)"
+    if shutil.which("ip") is None:
+        return None                    # reported by missing_requirements() as a missing package
+    probe = f"{NETNS_PREFIX}probe{os.getpid()}"
+    made = _run(["ip", "netns", "add", probe], check=False)
+    _run(["ip", "netns", "del", probe], check=False)
+    if made.returncode != 0:
+        return (f"no network namespace support (ip netns add failed: {made.stderr.strip()}); in a "
+                "container, run it with --privileged or CAP_SYS_ADMIN + CAP_NET_ADMIN")
+    return None
+
+
 def missing_requirements():
     """What this machine lacks to emulate hosts, as sentences ([] when nothing is missing)."""
     missing = []
-    if os.geteuid() != 0:
-        missing.append("root: network namespaces, veth pairs and sshd need root (run with sudo)")
     tools = {"ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux", "unshare": "util-linux",
              "ssh": "openssh-client", "ssh-keygen": "openssh-client"}
     for tool, package in tools.items():
@@ -65,14 +79,8 @@ def missing_requirements():
             missing.append(f"'{tool}' (Debian package {package})")
     if not os.access(SSHD, os.X_OK):
         missing.append(f"{SSHD} (Debian package openssh-server; scripts/install.sh installs it)")
-    if not missing:
-        probe = f"{NETNS_PREFIX}probe{os.getpid()}"
-        made = _run(["ip", "netns", "add", probe], check=False)
-        _run(["ip", "netns", "del", probe], check=False)
-        if made.returncode != 0:
-            missing.append(f"network namespace support (ip netns add failed: {made.stderr.strip()}); "
-                           "in a container, run it with --privileged or CAP_SYS_ADMIN + CAP_NET_ADMIN")
-    return missing
+    reason = cannot_make_namespaces()
+    return ([reason] if reason else []) + missing
 
 
 class Host:

@@ -1,0 +1,171 @@
+"""Multi-host jobs for real: horovodrun (Gloo) and mpirun (MPI) across 2 emulated hosts.
+
+The hosts (bench/infra/hosts.py, `scripts/hosts.sh`) are network namespaces with hostnames node1 and
+node2, an eth0 each (10.77.0.1, 10.77.0.2) joined by a bridge, and an sshd each. Jobs are launched on
+node1 with ``-H 10.77.0.1:2,10.77.0.2:2``: ranks 0-1 start on node1, ranks 2-3 on node2 through ssh,
+and every byte between them crosses eth0. One fixture brings the hosts up for the module and deletes
+them at the end, whatever happened; after every job, whatever it left on the hosts is ended.
+
+Skipped only where the machine cannot make network namespaces (not root, or a container without the
+capability); a missing sshd or tool is a failure (scripts/install.sh installs them).
+"""
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from bench.infra.hosts import EmulatedHosts, cannot_make_namespaces
+from bench.infra.launch import JobFailed, run_job
+from conftest import ROOT, WORKERS, assert_identical_across_ranks
+from test_faults import EXIT_LIMIT_S, _alive, _wait_gone
+
+pytestmark = [pytest.mark.multihost, pytest.mark.multirank]
+
+SLOTS = 2                  # ranks per host
+NP = 2 * SLOTS
+IFACE = "eth0"             # the hosts' interface to each other: what --network-interface names
+JOB_TIMEOUT = 150          # seconds; one job here takes about 20 (most of it horovodrun's start)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """2 emulated hosts for the module; deleted afterwards (unless they were up before it)."""
+    reason = cannot_make_namespaces()
+    if reason:
+        pytest.skip(f"cannot emulate hosts: {reason}")
+    cluster = EmulatedHosts(2)
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        cluster.kill_strays()
+        if cluster.brought_up:
+            cluster.down()
+
+
+def run_across(hosts, out, worker, *args, backend, timeout=JOB_TIMEOUT, env=None):
+    """Run a worker on 2 ranks per host, launched from node1; returns (output, eth0 bytes node2 sent)."""
+    out.mkdir(parents=True)
+    argv = [sys.executable, os.path.join(WORKERS, worker), "--out", str(out), *map(str, args)]
+    sent_before = hosts.hosts[1].eth0_bytes()[0]
+    try:
+        output = run_job(NP, argv, backend=backend, timeout=timeout, prefix=hosts.hosts[0].prefix, cwd=ROOT,
+                         hosts=hosts.host_list(SLOTS), interface=IFACE, env=env)
+    finally:
+        hosts.kill_strays()        # the launcher's own kill does not reach ranks started through ssh
+    return output, hosts.hosts[1].eth0_bytes()[0] - sent_before
+
+
+def load_ranks(out):
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(NP)]
+
+
+# Each launcher with each front door; each front door resumed under one launcher (a launch costs about
+# 25 s of the 2-core machine that runs the suite: 4 ranks importing torch).
+@pytest.mark.parametrize("backend,mode,resume", [("gloo", "hvd_topk", True), ("mpi", "topkef", True),
+                                                 ("gloo", "topkef", False), ("mpi", "hvd_topk", False)])
+def test_trains_across_hosts_with_per_host_checkpoints(hosts, tmp_path, record_property, backend, mode,
+                                                       resume):
+    """4 ranks on 2 hosts, hvd_topk.DistributedOptimizer or TopKEF in stock hvd.DistributedOptimizer.
+    A job trains 16 steps and, after step 7, every rank writes its checkpoint into its host's own
+    directory (as on node-local disks): identical parameters on every rank, Horovod numbers the ranks
+    by host (local_rank within it, cross_rank across hosts), each rank's residuals in its own file.
+    With ``resume``, a second job resumes from each host's files and ends bit-identical to the first."""
+    common = ["--mode", mode, "--steps", 16, "--ratio", 0.05, "--lr", 0.01]
+    # Bit-exact needs the same summation order in both jobs. With more than 2 ranks that order depends
+    # on where a value sits in the buffer being reduced (a ring starts each chunk at another rank), and
+    # with tensor fusion on, what shares a buffer depends on timing. One tensor per collective: fixed.
+    env = {"HOROVOD_FUSION_THRESHOLD": "0"}
+    disk = tmp_path / "disk"
+    ckpt = str(disk / "{host}" / "ckpt.pt")           # the worker puts its hostname in
+    _, node2_sent = run_across(hosts, tmp_path / "full", "opt_train.py", *common, "--save-at", 7,
+                               "--continue-after-save", "--save-path", ckpt, backend=backend, env=env)
+    full = load_ranks(tmp_path / "full")
+    resumed = []
+    if resume:
+        run_across(hosts, tmp_path / "resumed", "opt_train.py", *common, "--resume", ckpt, backend=backend,
+                   env=env)
+        resumed = load_ranks(tmp_path / "resumed")
+    record_property("node2_eth0_sent_bytes", node2_sent)
+
+    where = [(res["where"]["hostname"], res["where"]["local_rank"], res["where"]["cross_rank"])
+             for res in full]
+    assert where == [("node1", 0, 0), ("node1", 1, 0), ("node2", 0, 1), ("node2", 1, 1)]
+    assert all((res["where"]["local_size"], res["where"]["cross_size"], res["where"]["size"]) == (2, 2, 4)
+               for res in full + resumed)
+    assert [res["where"] for res in resumed] == [res["where"] for res in full]
+    # the gradients crossed eth0: 4 ranks x 16 steps x ratio 0.05 of ~6k parameters, plus headers
+    assert node2_sent > 50_000, node2_sent
+
+    for host, ranks in (("node1", (0, 1)), ("node2", (2, 3))):
+        assert sorted(os.listdir(disk / host)) == [f"ckpt.pt.rank{r}-of-{NP}" for r in ranks], host
+    states = [torch.load(disk / ("node1" if r < 2 else "node2") / f"ckpt.pt.rank{r}-of-{NP}",
+                         weights_only=False) for r in range(NP)]
+    assert [(s["rank"], s["world_size"], s["extra"]["next_step"]) for s in states] == \
+        [(r, NP, 8) for r in range(NP)]
+    residual_norms = [_residual_norm(s, mode) for s in states]
+    assert all(n > 0 for n in residual_norms) and len(set(residual_norms)) == NP, residual_norms
+
+    assert_identical_across_ranks(full)
+    if resume:
+        assert_identical_across_ranks(resumed)
+        for r in range(NP):
+            for name, value in full[r]["params"].items():
+                assert torch.equal(resumed[r]["params"][name], value), f"rank {r} {name} differs after resume"
+    assert not torch.equal(full[0]["params"]["0.weight"], full[0]["initial"]["0.weight"])
+
+
+def _residual_norm(state, mode):
+    """Norm of one rank's error-feedback residuals as its checkpoint holds them (per rank: they differ)."""
+    if mode == "hvd_topk":
+        residuals = state["optimizer"]["hvd_topk"]["residuals"]
+    else:
+        residuals = state["extra"]["compressor"]["residuals"]
+    tensors = [v for v in (residuals.values() if isinstance(residuals, dict) else residuals)
+               if torch.is_tensor(v)]
+    assert tensors, f"no residuals in the {mode} checkpoint"
+    return round(float(sum(float(v.double().norm()) ** 2 for v in tensors)) ** 0.5, 9)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_rank_sigkilled_on_the_second_host_ends_the_job_everywhere(hosts, tmp_path, record_property,
+                                                                   backend):
+    """Rank 3 (node2) SIGKILLs itself between backward and step() (tests/workers/faults.py): the
+    launcher on node1 fails with an error naming the dead rank, and every rank on both hosts is gone
+    within 60 s of the kill; nothing hangs (the job has a hard timeout)."""
+    out = tmp_path / "killed"
+    args = ["--mode", "hvd_topk", "--steps", 200, "--kill-rank", 3, "--kill-step", 5]
+    start = time.monotonic()
+    try:
+        with pytest.raises(JobFailed) as failed:
+            # not run_across: the ranks left on the hosts must be seen ending by themselves first
+            out.mkdir()
+            argv = [sys.executable, os.path.join(WORKERS, "faults.py"), "--out", str(out), *map(str, args)]
+            run_job(NP, argv, backend=backend, timeout=JOB_TIMEOUT, prefix=hosts.hosts[0].prefix, cwd=ROOT,
+                    hosts=hosts.host_list(SLOTS), interface=IFACE)
+        returned = time.time()
+        killed = float((out / "killed_at").read_text())
+        pids = [int((out / f"pid{r}").read_text()) for r in range(NP)]
+        # One machine: the test sees every host's processes (one pid namespace), as a cluster's
+        # monitoring would see every node's.
+        gone = _wait_gone(pids, str(out), until=killed + EXIT_LIMIT_S + 10)
+        survivors = [r for r, pid in enumerate(pids) if _alive(pid, str(out))]
+    finally:
+        hosts.kill_strays()
+    returned_s, gone_s = returned - killed, gone - killed
+    print(f"\n{backend}: launcher returned {returned_s:.1f} s after the SIGKILL on node2, last rank gone "
+          f"after {gone_s:.1f} s (whole test {time.monotonic() - start:.0f} s)")
+    record_property("launcher_returned_s", round(returned_s, 2))
+    record_property("last_rank_gone_s", round(gone_s, 2))
+    message = str(failed.value)
+    print(message[-1500:])
+    assert "timed out" not in message.splitlines()[0], "the surviving ranks hung"
+    assert not survivors, f"ranks {survivors} outlived the job"
+    assert returned_s <= EXIT_LIMIT_S and gone_s <= EXIT_LIMIT_S
+    assert not any((out / f"rank{r}.pt").exists() for r in range(NP)), "a rank finished training"
+    if backend == "gloo":                 # horovodrun names the first rank that exited (ssh's status 255)
+        assert "The first process to do so was:\nProcess name: 3\n" in message, message
+    else:                                 # mpirun names the rank, its host and the signal
+        assert "rank 3" in message and "10.77.0.2" in message and "signal 9" in message, message
