@@ -402,7 +402,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     # SIGTERM mid-`up` unwinds like Ctrl-C, so that up() deletes what it had built.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    usage = "usage: hosts.sh up N [RATE] | down | status | check | run N COMMAND..."
+    usage = "usage: hosts.sh up N [RATE] | down | status | check | run N COMMAND... | demo [ARGS]"
     if not argv or argv[0] not in ("up", "down", "status", "check"):
         print(usage, file=sys.stderr)
         return 2
