@@ -124,13 +124,13 @@ def print_table(rows, args, isolated, hosts=None):
         print(f"| {name:<22} | {r['test_accuracy']:8.4f} | {r['bytes_per_rank_per_step']:15,.0f} | "
               f"{gain:7.1f}x | {r['wall_s']:7.2f} | {'yes' if r['params_identical'] else 'NO':>11} |")
     print()
-    link = "the hosts' eth0 are" if hosts is not None else "this loopback is"
+    link = "this loopback is unlimited"
+    if hosts is not None:
+        link = f"the hosts' eth0 are {'limited to ' + args.rate if args.rate else 'unlimited'}"
     print("How to read it: bytes/rank/step is what the link carried, headers included, so 'vs dense' is\n"
           f"the traffic saved at about the same accuracy. Wall time is not the point here: {link}\n"
-          "unlimited and the model tiny, so selecting the top-k costs more than the bytes it saves; on a\n"
-          "slow link the saved bytes are the step time. See that with the bandwidth-limited benchmark:")
-    if hosts is not None and args.rate:
-        print(f"(here each host's eth0 was limited to {args.rate}: compare the wall times above)")
+          "and the model tiny, so selecting the top-k costs more than the bytes it saves; on a slow link\n"
+          "the saved bytes are the step time. See that with the bandwidth-limited benchmark:")
     print('  python -m bench.evidence --part steps --ranks 2 --bandwidths 100mbit --ratios 0.01 \\\n'
           '      --modes "dense,topkef" --out /tmp/ev      # ~2 min; report in /tmp/ev/report.md')
 
