@@ -433,7 +433,7 @@ def main(argv=None):
     what = "built" if cluster.brought_up else "already up"
     rate = f", eth0 limited to {cluster.rate}" if cluster.rate else ""
     print(f"hosts: {what}: " + ", ".join(f"{h.name}={h.addr}" for h in cluster.hosts) + rate)
-    print(f"hosts: run on a host with: {' '.join(cluster.hosts[0].prefix)} COMMAND")
+    print("hosts: run a command on node1 with: bash scripts/hosts.sh run 1 COMMAND")
     print(f"hosts: e.g. horovodrun -np {2 * cluster.n} -H {cluster.host_list(2)} --gloo "
           "--network-interface eth0 python train.py")
     return 0
