@@ -9,6 +9,7 @@ them at the end, whatever happened; after every job, whatever it left on the hos
 Skipped only where the machine cannot make network namespaces (not root, or a container without the
 capability); a missing sshd or tool is a failure (scripts/install.sh installs them).
 """
+import glob
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import psutil
 import pytest
 import torch
 
+import bench.infra.hosts as hosts_module
 from bench.infra.hosts import EmulatedHosts, cannot_make_namespaces
 from bench.infra.launch import JobFailed, run_job
 from conftest import ROOT, WORKERS, assert_identical_across_ranks
@@ -36,6 +38,37 @@ SLOTS = 2                  # ranks per host
 NP = 2 * SLOTS
 IFACE = "eth0"             # the hosts' interface to each other: what --network-interface names
 JOB_TIMEOUT = 150          # seconds; one job here takes about 20 (most of it horovodrun's start)
+
+
+def test_hosts_script_is_idempotent_and_leaves_nothing_behind():
+    """scripts/hosts.sh: `up 2` twice (the second keeps the hosts), `status`, a command on node2,
+    `down` twice; afterwards no namespace, ssh drop-in, /etc/netns entry or state is left. Runs before
+    the module's hosts exist (and not at all when hosts were up already: it would delete them)."""
+    reason = cannot_make_namespaces()
+    if reason:
+        pytest.skip(f"cannot emulate hosts: {reason}")
+    if os.path.exists(hosts_module.STATE_DIR):
+        pytest.skip("emulated hosts are up already (scripts/hosts.sh down first)")
+    script = os.path.join(ROOT, "scripts", "hosts.sh")
+
+    def hosts_sh(*args):
+        return subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=60)
+    try:
+        first, second = hosts_sh("up", "2"), hosts_sh("up", "2")
+        assert first.returncode == 0 and "hosts: built: node1=10.77.0.1, node2=10.77.0.2" in first.stdout, first
+        assert second.returncode == 0 and "hosts: already up" in second.stdout, second
+        assert hosts_sh("status").returncode == 0
+        on_node2 = hosts_sh("run", "2", "sh", "-c", "hostname; cat /sys/class/net/eth0/mtu")
+        assert on_node2.stdout.split() == ["node2", "9000"], on_node2
+    finally:
+        down = hosts_sh("down")
+    assert down.returncode == 0 and "deleted hvdhosts-node2, hvdhosts-switch, hvdhosts-node1" in down.stdout, down
+    assert "nothing was up" in hosts_sh("down").stdout
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert hosts_module.NETNS_PREFIX not in netns, netns
+    assert not os.path.exists(hosts_module.SSH_DROPIN) and not os.path.exists(hosts_module.STATE_DIR)
+    assert not glob.glob(os.path.join(hosts_module.ETC_NETNS, hosts_module.NETNS_PREFIX + "*"))
+    assert hosts_sh("status").returncode == 1
 
 
 @pytest.fixture(scope="module")
