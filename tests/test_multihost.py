@@ -325,11 +325,13 @@ def slurm_hosts(hosts, slurm_tools):
             # A private tmpfs on /tmp per slurmd: PMIx's per-node directories there would collide.
             start(f"slurmd-{h.name}", *h.slurmd_prefix, "unshare", "--mount", "sh", "-c",
                   'mount -t tmpfs tmpfs /tmp && exec slurmd -D -N "$0" -f "$1"', h.name, cluster.conf)
+        hosts.daemons.update(proc.pid for proc in cluster.procs)    # not a job's leftovers
         cluster.wait_for("both nodes to be idle", lambda: cluster.run(
             "sinfo", "-h", "-N", "-o", "%N %T", check=False).split() == ["node1", "idle", "node2", "idle"], 60)
         yield cluster
     finally:
         cluster.stop()
+        hosts.daemons.difference_update(proc.pid for proc in cluster.procs)
         hosts.kill_strays()
         shutil.rmtree(base, ignore_errors=True)
 

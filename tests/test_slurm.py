@@ -455,7 +455,7 @@ def test_sweep_collect_marks_missing_results(tmp_path):
 # -- static checks: shell scripts and the Docker image ---------------------------------------------
 
 SHELL_FILES = ["slurm/train_cpu.sbatch", "slurm/train_gpu.sbatch", "slurm/job_step.sh",
-               "scripts/install_slurm.sh", "docker/entrypoint.sh"]
+               "scripts/install_slurm.sh", "scripts/hosts.sh", "docker/entrypoint.sh"]
 
 
 @needs_root

@@ -256,6 +256,7 @@ class EmulatedHosts:
         self.n, self.rate, self.burst, self.state_dir = n, rate, burst, state_dir
         self.hosts = [Host(i, state_dir) for i in range(1, n + 1)]
         self.brought_up = False      # whether up() built them (False: they were up already)
+        self.daemons = set()         # pids of services started on the hosts (slurmd, ...): kept by kill_strays
 
     def __enter__(self):
         self.up()
@@ -373,7 +374,7 @@ class EmulatedHosts:
     def kill_strays(self, keep=()):
         """End every process on the hosts except their sshd (and ``keep``): what a failed or timed-out
         job left behind on a host other than the launcher's (a launcher's kill does not cross ssh)."""
-        keep = set(keep) | {h.sshd_pid() for h in self.hosts}
+        keep = set(keep) | self.daemons | {h.sshd_pid() for h in self.hosts}
         strays = [p for h in self.hosts for p in h.pids() if p not in keep and p != os.getpid()]
         # sshd's per-connection children are processes of ours too, and end with their sessions.
         _kill_all(strays)
