@@ -28,9 +28,9 @@ from bench.infra.hosts import EmulatedHosts, cannot_make_namespaces
 from bench.infra.launch import JobFailed, run_job
 from conftest import ROOT, WORKERS, assert_identical_across_ranks
 from test_faults import EXIT_LIMIT_S, _alive, _wait_gone
-from test_slurm import JOB_TIMEOUT as SLURM_JOB_TIMEOUT  # noqa: E402
-from test_slurm import (Cluster, _digits_job, _interrupt_and_requeue, _load_rank, _read, needs_root,  # noqa: F401
-                        slurm_tools)
+from test_slurm import JOB_TIMEOUT as SLURM_JOB_TIMEOUT
+from test_slurm import Cluster, _digits_job, _interrupt_and_requeue, _load_rank, _read, needs_root
+from test_slurm import slurm_tools  # noqa: F401  (a fixture: the Slurm test below uses it)
 
 pytestmark = [pytest.mark.multihost, pytest.mark.multirank]
 
@@ -62,7 +62,8 @@ def test_hosts_script_is_idempotent_and_leaves_nothing_behind():
         assert on_node2.stdout.split() == ["node2", "9000"], on_node2
     finally:
         down = hosts_sh("down")
-    assert down.returncode == 0 and "deleted hvdhosts-node2, hvdhosts-switch, hvdhosts-node1" in down.stdout, down
+    assert down.returncode == 0 and "hosts: down: deleted" in down.stdout, down
+    assert all(f"hvdhosts-{name}" in down.stdout for name in ("node1", "node2", "switch")), down
     assert "nothing was up" in hosts_sh("down").stdout
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert hosts_module.NETNS_PREFIX not in netns, netns
