@@ -296,8 +296,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 def slurm_hosts(hosts, slurm_tools):
     """slurmctld on node1 and a slurmd on each host (munged on the machine: its socket is a file, which
     every host reaches); stopped after the module. The client commands run on node1."""
-    # Not under /tmp: every slurmd gets a private /tmp (below), and the jobs' files must be shared.
-    base = tempfile.mkdtemp(prefix="hvd_topk-slurm-hosts-", dir="/var/tmp")
+    base = tempfile.mkdtemp(prefix="hvd_topk-slurm-hosts-")
     for sub in ["munge", "state", "log", "jobs"] + [f"spool/{h.name}" for h in hosts.hosts]:
         os.makedirs(os.path.join(base, sub))
     os.chmod(os.path.join(base, "munge"), 0o755)
@@ -310,6 +309,12 @@ def slurm_hosts(hosts, slurm_tools):
     nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr} CPUs={SLOTS} State=UNKNOWN" for h in hosts.hosts)
     with open(cluster.conf, "w") as f:
         f.write(SLURM_HOSTS_CONF.format(base=base, node1_addr=hosts.hosts[0].addr, nodes=nodes))
+    # PMIx keeps per-step directories under this base (by default /tmp), named by job and step only:
+    # on one machine the hosts' directories would collide. Each slurmd mounts its own tmpfs there.
+    pmix_dir = os.path.join(base, "pmix")
+    os.makedirs(pmix_dir)
+    with open(os.path.join(base, "mpi.conf"), "w") as f:        # read from slurm.conf's directory
+        f.write(f"PMIxCliTmpDirBase={pmix_dir}\n")
 
     def start(name, *cmd):
         log = open(os.path.join(base, "log", f"{name}.out"), "w")
@@ -324,9 +329,10 @@ def slurm_hosts(hosts, slurm_tools):
         # nsenter (Host.slurmd_prefix), not `ip netns exec`: its /sys remount hides the cgroup mounts.
         start("slurmctld", *hosts.hosts[0].slurmd_prefix, "slurmctld", "-D", "-i", "-f", cluster.conf)
         for h in hosts.hosts:
-            # A private tmpfs on /tmp per slurmd: PMIx's per-node directories there would collide.
+            # A mount namespace per slurmd with a private tmpfs on the PMIx directory (see above).
             start(f"slurmd-{h.name}", *h.slurmd_prefix, "unshare", "--mount", "sh", "-c",
-                  'mount -t tmpfs tmpfs /tmp && exec slurmd -D -N "$0" -f "$1"', h.name, cluster.conf)
+                  'mount -t tmpfs tmpfs "$2" && exec slurmd -D -N "$0" -f "$1"', h.name, cluster.conf,
+                  pmix_dir)
         hosts.daemons.update(proc.pid for proc in cluster.procs)    # not a job's leftovers
         cluster.wait_for("both nodes to be idle", lambda: cluster.run(
             "sinfo", "-h", "-N", "-o", "%N %T", check=False).split() == ["node1", "idle", "node2", "idle"], 60)
