@@ -6,6 +6,7 @@ bytes per rank per step, wall time; and what to run next.
 
     python examples/demo.py                 # as root: measured in a private network namespace
     python examples/demo.py --epochs 5 --ratio 0.001
+    python examples/demo.py --across-hosts  # as root: 2 emulated hosts (scripts/hosts.sh), bytes on eth0
 """
 import argparse
 import contextlib
@@ -19,6 +20,7 @@ import time
 # Run as a script: put the repository root on sys.path for the bench/infra tooling (jobs, namespaces).
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.infra.hosts import EmulatedHosts  # noqa: E402
 from bench.infra.launch import JobFailed, run_job  # noqa: E402
 from bench.infra.wire import Namespace, can_make_namespace  # noqa: E402
 
@@ -32,21 +34,36 @@ def main():
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--across-hosts", action="store_true",
+                   help="root: run on 2 emulated hosts (bench/infra/hosts.py), half the ranks on each, and "
+                        "count the bytes between them on their eth0")
+    p.add_argument("--rate", default=None, help="--across-hosts: tbf rate of each host's eth0, e.g. 1gbit")
     args = p.parse_args()
 
-    isolated = can_make_namespace()
+    hosts = EmulatedHosts(2, args.rate) if args.across_hosts else None
+    isolated = hosts is not None or can_make_namespace()
     if not isolated:
         print("note: not root, so no private network namespace; loopback bytes include other traffic")
-    rows = []
-    for mode in ("none", "topkef"):
-        name = "dense Horovod" if mode == "none" else f"TopKEF ratio {args.ratio}"
-        print(f"== {name}: horovodrun -np {args.np} --gloo python examples/digits_cnn.py "
-              f"--compression {mode} --epochs {args.epochs}", flush=True)
-        rows.append(run(mode, args, isolated))
-    print_table(rows, args, isolated)
+    try:
+        if hosts is not None:
+            hosts.up()
+            print(f"hosts: node1 ({hosts.hosts[0].addr}) and node2 ({hosts.hosts[1].addr}), "
+                  f"{args.np // 2} rank(s) each, eth0 {args.rate or 'unlimited'}", flush=True)
+        rows = []
+        for mode in ("none", "topkef"):
+            name = "dense Horovod" if mode == "none" else f"TopKEF ratio {args.ratio}"
+            where = (f"-H {hosts.host_list(args.np // 2)} --network-interface eth0" if hosts
+                     else f"-H localhost:{args.np}")
+            print(f"== {name}: horovodrun -np {args.np} {where} --gloo python examples/digits_cnn.py "
+                  f"--compression {mode} --epochs {args.epochs}", flush=True)
+            rows.append(run(mode, args, isolated, hosts))
+    finally:
+        if hosts is not None and hosts.brought_up:
+            hosts.down()
+    print_table(rows, args, isolated, hosts)
 
 
-def run(mode, args, isolated):
+def run(mode, args, isolated, hosts=None):
     """One training job; prints every few epochs' progress line; returns the run's record."""
     every = max(1, args.epochs // 4)
 
@@ -59,25 +76,46 @@ def run(mode, args, isolated):
         out_json = os.path.join(tmp, "result.json")
         argv = [sys.executable, os.path.join(HERE, "digits_cnn.py"), "--compression", mode,
                 "--ratio", str(args.ratio), "--epochs", str(args.epochs), "--json-out", out_json]
-        ns = Namespace() if isolated else contextlib.nullcontext()
         t0 = time.perf_counter()
         try:
-            with ns:
-                run_job(args.np, argv, timeout=args.timeout, prefix=ns.prefix if isolated else (), on_line=show)
+            if hosts is not None:
+                sent = sum(h.eth0_bytes()[0] for h in hosts.hosts)
+                try:
+                    run_job(args.np, argv, timeout=args.timeout, prefix=hosts.hosts[0].prefix, on_line=show,
+                            hosts=hosts.host_list(args.np // 2), interface="eth0")
+                finally:
+                    hosts.kill_strays()
+                sent = sum(h.eth0_bytes()[0] for h in hosts.hosts) - sent
+            else:
+                ns = Namespace() if isolated else contextlib.nullcontext()
+                with ns:
+                    run_job(args.np, argv, timeout=args.timeout, prefix=ns.prefix if isolated else (),
+                            on_line=show)
         except JobFailed as e:
             sys.exit(f"demo: the {mode} job failed\n{e}")
         with open(out_json) as f:
             record = json.load(f)
+        if hosts is not None:
+            # Every byte between the hosts is sent by one host's eth0: the sum of their tx is the
+            # inter-host traffic (the job's loopback counters see none of it).
+            record["inter_host_bytes"] = sent
+            record["bytes_per_rank_per_step"] = sent / args.np / max(1, record["steps"])
     print(f"   done in {time.perf_counter() - t0:.0f} s (startup and evaluation included)", flush=True)
     return record
 
 
-def print_table(rows, args, isolated):
+def print_table(rows, args, isolated, hosts=None):
     """The comparison, how to read it, and what to try next."""
     dense = rows[0]
     print()
+    where = ("the hosts' eth0 (all traffic between them: gradients, Horovod's negotiation, ssh)" if hosts
+             else f"the {'private ' if isolated else ''}loopback")
     print(f"digits CNN ({dense['num_params']:,} parameters), {args.np} ranks, {dense['steps']} steps, "
-          f"bytes measured on the {'private ' if isolated else ''}loopback")
+          f"bytes measured on {where}")
+    if hosts is not None:
+        for r in rows:
+            name = "dense Horovod" if r["compression"] == "none" else f"TopKEF ratio {r['ratio']}"
+            print(f"  {name}: {r['inter_host_bytes']:,} bytes between the hosts")
     print(f"| {'mode':<22} | {'test acc':>8} | {'bytes/rank/step':>15} | {'vs dense':>8} | {'wall s':>7} | same params |")
     print(f"|{'-' * 24}|{'-' * 10}|{'-' * 17}|{'-' * 10}|{'-' * 9}|-------------|")
     for r in rows:
@@ -86,10 +124,13 @@ def print_table(rows, args, isolated):
         print(f"| {name:<22} | {r['test_accuracy']:8.4f} | {r['bytes_per_rank_per_step']:15,.0f} | "
               f"{gain:7.1f}x | {r['wall_s']:7.2f} | {'yes' if r['params_identical'] else 'NO':>11} |")
     print()
+    link = "this loopback is unlimited"
+    if hosts is not None:
+        link = f"the hosts' eth0 are {'limited to ' + args.rate if args.rate else 'unlimited'}"
     print("How to read it: bytes/rank/step is what the link carried, headers included, so 'vs dense' is\n"
-          "the traffic saved at about the same accuracy. Wall time is not the point here: this loopback is\n"
-          "unlimited and the model tiny, so selecting the top-k costs more than the bytes it saves; on a\n"
-          "slow link the saved bytes are the step time. See that with the bandwidth-limited benchmark:")
+          f"the traffic saved at about the same accuracy. Wall time is not the point here: {link}\n"
+          "and the model tiny, so selecting the top-k costs more than the bytes it saves; on a slow link\n"
+          "the saved bytes are the step time. See that with the bandwidth-limited benchmark:")
     print('  python -m bench.evidence --part steps --ranks 2 --bandwidths 100mbit --ratios 0.01 \\\n'
           '      --modes "dense,topkef" --out /tmp/ev      # ~2 min; report in /tmp/ev/report.md')
 

@@ -207,10 +207,14 @@ def main():
             opt.set_epoch(epoch)
         model.train()
         for s in range(start_step if epoch == start_epoch else 0, steps_per_epoch):
-            # Every rank must stop at the same step: agree on the flag with one tiny allreduce.
-            if stop is not None and hvd.allreduce(torch.tensor([float(bool(stop))]), op=hvd.Max,
-                                                  name="ckpt.stop").item() > 0:
-                save(model, opt, comp, epoch, s, why=f"signal {stop[0]}")
+            # Every rank must stop at the same step: agree with one tiny allreduce. Across nodes the
+            # signal reaches the ranks at different times, so a rank may stop on another's signal
+            # before its own arrives: the ranks agree on the signal too (the highest number any got).
+            signum = 0 if stop is None else int(hvd.allreduce(
+                torch.tensor([float(max((signal.Signals[name].value for name in stop), default=0))]),
+                op=hvd.Max, name="ckpt.stop").item())
+            if signum:
+                save(model, opt, comp, epoch, s, why=f"signal {signal.Signals(signum).name}")
                 bar.close()
                 sys.exit(EXIT_REQUEUE)
             if log.should_stop(log.step):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up everything hvd_topk needs on a fresh Debian 12 machine with Python 3.11, idempotently:
 #   1. Debian packages: OpenMPI (libopenmpi-dev, openmpi-bin), Debian's cmake (pip's cmake 4.x rejects
-#      gloo's CMakeLists), iproute2 (network namespaces and tc for the wire tests).
+#      gloo's CMakeLists), iproute2 (network namespaces and tc for the wire tests), openssh-server (sshd
+#      on each emulated host of scripts/hosts.sh, which starts its own; the install does not start the
+#      package's system service).
 #   2. A virtual environment in ./.venv (ignored by git).
 #   3. torch==2.13.0 (pinned: any other spec pulls the CUDA wheels), numpy, mpi4py, pytest and friends.
 #   4. Horovod 0.28.1 built from PyPI's sdist with PyTorch + Gloo + MPI. Its CMake pins C++14, which
@@ -38,14 +40,22 @@ as_root() {
         echo "need root for: $*" >&2; return 1; fi
 }
 
-step "Debian packages (OpenMPI, cmake, iproute2)" \
-     "run 'apt-get update && apt-get install -y libopenmpi-dev openmpi-bin cmake g++ iproute2' as root, then re-run"
+step "Debian packages (OpenMPI, cmake, iproute2, openssh-server)" \
+     "run 'apt-get update && apt-get install -y libopenmpi-dev openmpi-bin cmake g++ iproute2 openssh-server' as root, then re-run"
 need=()
-for pkg in libopenmpi-dev openmpi-bin cmake g++ make iproute2 procps; do
+for pkg in libopenmpi-dev openmpi-bin cmake g++ make iproute2 procps openssh-client openssh-server; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ] && [ "${HVD_TOPK_SKIP_APT:-0}" != 1 ]; then
     export DEBIAN_FRONTEND=noninteractive
+    # openssh-server's scripts would start the system's sshd where an init system runs; the emulated
+    # hosts run their own, so keep the system's one stopped (as scripts/install_slurm.sh does).
+    policy=/usr/sbin/policy-rc.d
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' | as_root tee "$policy" >/dev/null
+        as_root chmod +x "$policy"
+        trap 'as_root rm -f "$policy"' EXIT
+    fi
     as_root apt-get update -qq
     as_root apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi

@@ -49,10 +49,15 @@ def slurm_tools():
 
 
 class Cluster:
-    """A running private Slurm: command helpers with its SLURM_CONF, and its logs for diagnostics."""
+    """A running private Slurm: command helpers with its SLURM_CONF, and its logs for diagnostics.
 
-    def __init__(self, base):
+    ``prefix`` runs the client commands elsewhere, e.g. on an emulated host (tests/test_multihost.py);
+    ``daemon_logs`` are the logs (relative to ``base``) whose tails failure messages show."""
+
+    def __init__(self, base, prefix=(), daemon_logs=("log/slurmctld.log", "log/slurmd.log")):
         self.base = base
+        self.prefix = list(prefix)
+        self.daemon_logs = list(daemon_logs)
         self.conf = os.path.join(base, "slurm.conf")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
         self.env["SLURM_CONF"] = self.conf
@@ -61,7 +66,8 @@ class Cluster:
 
     def run(self, *cmd, check=True, timeout=30):
         """Run a Slurm client command against this cluster; returns stdout."""
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run([*self.prefix, *cmd], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr}\n{self.logs()}")
         return proc.stdout
@@ -69,7 +75,7 @@ class Cluster:
     def sbatch(self, *args, env=None):
         """Submit from the repository root (as a user does); returns the job id."""
         full = dict(self.env, **(env or {}))
-        proc = subprocess.run(["sbatch", "--parsable", *args], env=full, capture_output=True, text=True,
+        proc = subprocess.run([*self.prefix, "sbatch", "--parsable", *args], env=full, capture_output=True, text=True,
                               timeout=30, cwd=ROOT)
         assert proc.returncode == 0, f"sbatch {' '.join(args)} failed: {proc.stderr}\n{self.logs()}"
         return proc.stdout.strip().split(";")[0]
@@ -101,7 +107,7 @@ class Cluster:
     def logs(self, job_out=None):
         """Tails of the daemons' logs (and a job's output) for failure messages."""
         parts = []
-        for name in ([job_out] if job_out else []) + ["log/slurmctld.log", "log/slurmd.log"]:
+        for name in ([job_out] if job_out else []) + self.daemon_logs:
             path = name if os.path.isabs(name) else os.path.join(self.base, name)
             if os.path.exists(path):
                 with open(path, errors="replace") as f:
@@ -111,7 +117,7 @@ class Cluster:
     def stop(self):
         """Cancel every job, then stop slurmd, slurmctld and munged (SIGTERM, then SIGKILL)."""
         if os.path.exists(self.conf):
-            subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True,
+            subprocess.run([*self.prefix, "scancel", "--full", "--user", "root"], env=self.env, capture_output=True,
                            timeout=30)
         for proc in reversed(self.procs):
             if proc.poll() is None:
@@ -235,11 +241,11 @@ def _load_rank(path, rank, size=2):
     return torch.load(f"{path}.rank{rank}-of-{size}", map_location="cpu", weights_only=False)
 
 
-def _digits_job(cluster, name, compression="topkef", env=None):
+def _digits_job(cluster, name, compression="topkef", env=None, nodes=1, tasks_per_node=2):
     """Submit the digits example (2 ranks, 3 epochs) through slurm/train_cpu.sbatch; (job id, paths)."""
     jobs = os.path.join(cluster.base, "jobs")
     out, ckpt = os.path.join(jobs, f"{name}.out"), os.path.join(jobs, f"{name}.pt")
-    args = ["--nodes=1", "--ntasks-per-node=2", "--time=00:10:00", f"--output={out}",
+    args = [f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}", "--time=00:10:00", f"--output={out}",
             "slurm/train_cpu.sbatch", DIGITS, "--compression", compression, "--epochs", "3",
             "--quiet", "--checkpoint", ckpt]
     return cluster.sbatch(*args, env=env), out, ckpt
@@ -265,7 +271,7 @@ def _interrupt_and_requeue(cluster, job_id, out):
     text = _read(out)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{cluster.logs(out)}"
     assert info["Restarts"] == "1", info
-    saved = re.search(r"checkpoint: saved \S+ \(2 ranks\) at epoch (\d+) step (\d+) \(signal SIGUSR1\)", text)
+    saved = re.search(r"checkpoint: saved \S+ \(\d+ ranks\) at epoch (\d+) step (\d+) \(signal SIGUSR1\)", text)
     assert saved, f"no checkpoint on SIGUSR1:\n{text}"
     assert "job_step: step exited with status 85" in text and "requeueing job" in text, text
     resumed = re.search(r"checkpoint: resumed from \S+ at epoch (\d+) step (\d+)", text)
@@ -459,7 +465,7 @@ def test_sweep_collect_marks_missing_results(tmp_path):
 # -- static checks: shell scripts and the Docker image ---------------------------------------------
 
 SHELL_FILES = ["slurm/train_cpu.sbatch", "slurm/train_gpu.sbatch", "slurm/job_step.sh",
-               "scripts/install_slurm.sh", "docker/entrypoint.sh"]
+               "scripts/install_slurm.sh", "scripts/hosts.sh", "docker/entrypoint.sh"]
 
 
 @needs_root

@@ -29,33 +29,55 @@ def _tool(name):
     return here if os.path.exists(here) else (shutil.which(name) or name)
 
 
-def launch_command(np, argv, backend="gloo"):
-    """Command line that starts ``np`` local ranks of ``argv`` (a list, e.g. [python, script, ...]).
+def launch_command(np, argv, backend="gloo", hosts=None, interface=None, export=()):
+    """Command line that starts ``np`` ranks of ``argv`` (a list, e.g. [python, script, ...]).
 
     Args:
         np: number of ranks, >= 1.
         argv: the per-rank command.
         backend: ``"gloo"`` (horovodrun --gloo) or ``"mpi"`` (mpirun over TCP, no shared memory, so
-            that traffic crosses the loopback).
+            that traffic crosses the network).
+        hosts: None: every rank on this machine, over the loopback. Otherwise the host list,
+            ``"addr:slots,addr:slots"`` or a list of ``"addr:slots"``: ranks are placed in order (the
+            first host's slots first) and started on the other hosts through ssh.
+        interface: the network interface the ranks talk over (``lo`` without ``hosts``), e.g. the
+            hosts' ``eth0``; None with ``hosts``: the launcher's own choice.
+        export: names of environment variables the ranks on other hosts must get too (mpirun passes
+            only those it is told to; horovodrun passes its whole environment).
     """
+    if hosts is None:
+        host_list, interface = f"localhost:{np}", interface or "lo"
+    else:
+        host_list = hosts if isinstance(hosts, str) else ",".join(hosts)
     if backend == "gloo":
-        return [_tool("horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-                "--network-interface", "lo", *argv]
+        nic = ["--network-interface", interface] if interface else []
+        return [_tool("horovodrun"), "-np", str(np), "-H", host_list, "--gloo", *nic, *argv]
     if backend == "mpi":
-        return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none",
-                "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
-                "--mca", "oob_tcp_if_include", "lo", "-x", "PATH", "-x", "PYTHONPATH", *argv]
+        nic = (["--mca", "btl_tcp_if_include", interface, "--mca", "oob_tcp_if_include", interface]
+               if interface else [])
+        cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", "--mca", "btl", "tcp,self",
+               *nic, "-x", "PATH", "-x", "PYTHONPATH"]
+        if hosts is not None:
+            # Ranks on the other hosts get only what -x names (ssh starts their daemons with a clean
+            # environment); on this host they inherit the launcher's.
+            forwarded = dict.fromkeys(["OMP_NUM_THREADS", "PYTHONUNBUFFERED", *export])
+            cmd = [*cmd[:3], "-H", host_list, *cmd[3:], *(a for name in forwarded for a in ("-x", name))]
+        return [*cmd, *argv]
     raise ValueError(f"backend must be 'gloo' or 'mpi', got {backend!r}")
 
 
-def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None, stream=False, on_line=None):
+def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None, stream=False, on_line=None,
+            hosts=None, interface=None):
     """Run a multi-rank job to completion; return its combined output, or raise JobFailed.
 
     Args:
-        np, argv, backend: as for ``launch_command``.
+        np, argv, backend, hosts, interface: as for ``launch_command``.
         timeout: seconds; past it every process of the job is killed and JobFailed raised.
-        prefix: command prefix, e.g. ``Namespace.prefix`` to run inside a network namespace.
-        env: extra environment variables.
+        prefix: command prefix, e.g. ``Namespace.prefix`` to run inside a network namespace, or
+            ``Host.prefix`` (bench/infra/hosts.py) to launch from an emulated host. A timeout kills the
+            processes on this machine's side; ranks on other hosts end with their ssh sessions (or are
+            ended by ``EmulatedHosts.kill_strays``).
+        env: extra environment variables (every rank gets them, on every host).
         stream: also copy the job's output to this process's stdout as it comes (progress bars).
         on_line: called with each complete line of the job's output as it comes (without the newline),
             e.g. to show a filtered progress.
@@ -65,7 +87,8 @@ def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None
     full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                     OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     full_env.update(env or {})
-    cmd = [*prefix, *launch_command(np, argv, backend)]
+    cmd = [*prefix, *launch_command(np, argv, backend, hosts=hosts, interface=interface,
+                                             export=tuple(env or ()))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=full_env, cwd=cwd, start_new_session=True)
     expired = threading.Event()

@@ -1,10 +1,14 @@
 """A multi-rank job for hvd_topk.DistributedOptimizer tests (synthetic regression on an MLP).
 
 Every rank writes ``<out>/rank<r>.pt``: final parameters, its local gradients per step (if asked), the
-optimizer's per-rank state and stats. Data depend only on (rank, step), so runs can be resumed.
+optimizer's per-rank state and stats, and where it ran (rank, local_rank, cross_rank, hostname). Data
+depend only on (rank, step), so runs can be resumed. ``--mode topkef`` is the other front door: stock
+hvd.DistributedOptimizer with compression=hvd_topk.TopKEF (its residuals saved as the checkpoint's
+``compressor`` extra).
 """
 import argparse
 import os
+import socket
 import time
 
 import horovod.torch as hvd
@@ -15,7 +19,7 @@ import hvd_topk
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
-p.add_argument("--mode", choices=["hvd_topk", "stock"], default="hvd_topk")
+p.add_argument("--mode", choices=["hvd_topk", "stock", "topkef"], default="hvd_topk")
 p.add_argument("--communication", default="artopk")
 p.add_argument("--leader", default="star")
 p.add_argument("--selection", default="layerwise")
@@ -41,7 +45,11 @@ p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
 p.add_argument("--value-dtype", choices=["none", "float16"], default="none")
 p.add_argument("--record-grads", action="store_true")
 p.add_argument("--save-at", type=int, default=-1, help="save a per-rank checkpoint after this step and exit")
-p.add_argument("--resume", default=None, help="checkpoint path to resume from")
+p.add_argument("--save-path", default=None,
+               help="checkpoint path (default <out>/ckpt.pt); {host} becomes this host's name, as for a "
+                    "node-local disk")
+p.add_argument("--continue-after-save", action="store_true", help="train on to --steps after saving")
+p.add_argument("--resume", default=None, help="checkpoint path to resume from ({host}: as --save-path)")
 p.add_argument("--amp", action="store_true", help="bf16 autocast + GradScaler")
 p.add_argument("--overflow-rank", type=int, default=-1)
 p.add_argument("--overflow-step", type=int, default=-1)
@@ -52,6 +60,9 @@ p.add_argument("--skew-clock-rank", type=int, default=-1, help="this rank's step
 p.add_argument("--overflow-one-tensor", action="store_true",
                help="make only one tensor's gradient non-finite (a hook), instead of the loss")
 args = p.parse_args()
+host = socket.gethostname()
+save_path = (args.save_path or os.path.join(args.out, "ckpt.pt")).replace("{host}", host)
+resume_path = args.resume and args.resume.replace("{host}", host)
 
 hvd.init()
 torch.set_num_threads(1)
@@ -66,9 +77,16 @@ else:
     base = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 op = hvd.Average if args.op == "average" else hvd.Sum
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if args.amp else None
+compressor = None
 if args.mode == "stock":
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), op=op,
                                    backward_passes_per_step=args.bpps, groups=args.groups or None)
+elif args.mode == "topkef":
+    compressor = hvd_topk.TopKEF(ratio=args.ratio, min_numel=args.min_numel,
+                                 named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), op=op,
+                                   compression=compressor, backward_passes_per_step=args.bpps,
+                                   groups=args.groups or None)
 else:
     opt = hvd_topk.DistributedOptimizer(
         base, named_parameters=model.named_parameters(),
@@ -84,16 +102,19 @@ else:
     if hvd.rank() == args.skew_clock_rank:      # decisions must not depend on one rank's timings
         opt._hvd_topk.clock = lambda: 5.0 * time.perf_counter()
 start = 0
-if args.resume and args.compress == "gradient":
-    start = hvd_topk.load_checkpoint(args.resume, model, opt)["next_step"]
+if resume_path and args.compress == "gradient":
+    extra = hvd_topk.load_checkpoint(resume_path, model, opt)
+    start = extra["next_step"]
+    if compressor is not None:
+        compressor.load_state_dict(extra["compressor"])
 # After a resume too: broadcasting must not overwrite the per-rank residuals just loaded (the resume
 # test would see it, since every rank's residuals differ).
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(opt, root_rank=0)
-if args.resume and args.compress == "update":
+if resume_path and args.compress == "update":
     # compress='update': the wrapped optimizer's state is per rank too, and Horovod's broadcast would
     # overwrite it with rank 0's: load after broadcasting (as the examples always do).
-    start = hvd_topk.load_checkpoint(args.resume, model, opt)["next_step"]
+    start = hvd_topk.load_checkpoint(resume_path, model, opt)["next_step"]
 initial = {n: q.detach().clone() for n, q in model.named_parameters()}
 
 def inner_state(o):
@@ -151,12 +172,18 @@ for step in range(start, args.steps):
     if args.mode == "hvd_topk":
         stats.append(opt.stats())
     if step == args.save_at:
-        hvd_topk.save_checkpoint(os.path.join(args.out, "ckpt.pt"), model, opt, next_step=step + 1)
-        break
+        extra = {} if compressor is None else {"compressor": compressor.state_dict()}
+        os.makedirs(os.path.dirname(save_path), exist_ok=True)
+        hvd_topk.save_checkpoint(save_path, model, opt, next_step=step + 1, **extra)
+        if not args.continue_after_save:
+            break
 
 result = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}, "initial": initial,
           "initial_inner": initial_inner,
-          "grads": grads, "stats": stats, "skipped": skipped}
+          "grads": grads, "stats": stats, "skipped": skipped,
+          "where": {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+                    "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
+                    "cross_size": hvd.cross_size(), "hostname": host}}
 if args.mode == "hvd_topk":
     result["state"] = opt.state_dict()["hvd_topk"]
     result["auto"] = opt.auto_state()
