@@ -32,7 +32,8 @@ from test_slurm import JOB_TIMEOUT as SLURM_JOB_TIMEOUT
 from test_slurm import Cluster, _digits_job, _interrupt_and_requeue, _load_rank, _read, needs_root
 from test_slurm import slurm_tools  # noqa: F401  (a fixture: the Slurm test below uses it)
 
-pytestmark = [pytest.mark.multihost, pytest.mark.multirank]
+# slow: the fast loop stays on one host (pytest.ini)
+pytestmark = [pytest.mark.multihost, pytest.mark.multirank, pytest.mark.slow]
 
 SLOTS = 2                  # ranks per host
 NP = 2 * SLOTS
@@ -172,7 +173,6 @@ def _residual_norm(state, mode):
     return round(float(sum(float(v.double().norm()) ** 2 for v in tensors)) ** 0.5, 9)
 
 
-@pytest.mark.slow                 # a kill test (pytest.ini)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_rank_sigkilled_on_the_second_host_ends_the_job_everywhere(hosts, tmp_path, record_property,
                                                                    backend):
@@ -344,7 +344,6 @@ def slurm_hosts(hosts, slurm_tools):
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.mark.slow                 # a real Slurm cluster (pytest.ini)
 @needs_root
 def test_sbatch_two_nodes_requeues_and_resumes_from_per_rank_checkpoints(slurm_hosts, record_property):
     """sbatch --nodes=2 --ntasks-per-node=1 slurm/train_cpu.sbatch examples/digits_cnn.py: one rank per

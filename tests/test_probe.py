@@ -107,6 +107,7 @@ def test_two_ranks_get_identical_positive_alpha_beta(tmp_path):
     assert ranks[0]["probes"]["allreduce"]["wall_s"] < 3.0
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.skipif(not can_make_namespace(), reason="network namespaces need root and iproute2 (CI runs as root)")
 def test_beta_matches_a_100mbit_tbf_link(tmp_path):
