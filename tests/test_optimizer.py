@@ -329,17 +329,24 @@ def test_params_bit_identical_after_200_steps(results, communication, selection,
         assert last["residual_norm"] > 0
 
 
+GROUPED = [("artopk", "layerwise", 1, []), ("allgather", "layerwise", 2, []), ("artopk", "global", 1, []),
+           ("allgather", "layerwise", 2, ["--compress", "update", "--optimizer", "adam"])]
+
+
+def grouped_common(communication, selection, extra):
+    return ["--steps", 30, "--communication", communication, "--selection", selection, "--ratio", 0.05,
+            "--width", 128, "--dtype", "float64", *extra]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("communication,selection,groups,extra", [
-    ("artopk", "layerwise", 1, []), ("allgather", "layerwise", 2, []), ("artopk", "global", 1, []),
-    ("allgather", "layerwise", 2, ["--compress", "update", "--optimizer", "adam"])])
-def test_groups_give_the_ungrouped_result_through_horovods_grouped_collectives(run_ranks, tmp_path, communication,
-                                                                              selection, groups, extra):
-    common = ["--steps", 30, "--communication", communication, "--selection", selection, "--ratio", 0.05,
-              "--width", 128, "--dtype", "float64", *extra]
-    plain = run_ranks(3, "opt_train.py", *common)     # its own launch: the timeline below must hold one run
-    timeline = tmp_path / "timeline.json"
-    grouped = run_ranks(3, "opt_train.py", *common, "--groups", groups,
+@pytest.mark.parametrize("groups,common,plain_job", [
+    (groups, grouped_common(c, s, extra), job(3, "opt_train.py", *grouped_common(c, s, extra)))
+    for c, s, groups, extra in GROUPED], ids=[f"{c}-{s}-{g}-{len(e)}" for c, s, g, e in GROUPED])
+def test_groups_give_the_ungrouped_result_through_horovods_grouped_collectives(results, run_ranks, tmp_path, groups,
+                                                                              common, plain_job):
+    plain = results(plain_job)
+    timeline = tmp_path / "timeline.json"           # the grouped run has a launch of its own: its timeline
+    grouped = run_ranks(3, "opt_train.py", *common, "--groups", groups,    # must hold that run alone
                         prefix=("env", f"HOROVOD_TIMELINE={timeline}"))
     assert_identical_across_ranks(grouped)
     for name, value in plain[0]["params"].items():   # the same sums, fused in another order
