@@ -29,7 +29,7 @@ from bench.infra.launch import JobFailed, run_job
 from conftest import ROOT, WORKERS, assert_identical_across_ranks
 from test_faults import EXIT_LIMIT_S, _alive, _wait_gone
 from test_slurm import JOB_TIMEOUT as SLURM_JOB_TIMEOUT
-from test_slurm import Cluster, _digits_job, _interrupt_and_requeue, _load_rank, _read, needs_root
+from test_slurm import SLURM_CONF, Cluster, _digits_job, _interrupt_and_requeue, _load_rank, _read, needs_root
 from test_slurm import slurm_tools  # noqa: F401  (a fixture: the Slurm test below uses it)
 
 # slow: the fast loop stays on one host (pytest.ini)
@@ -251,83 +251,38 @@ def _pid_of_rank(rank, marker):
 
 # -- Slurm across the hosts -------------------------------------------------------------------------
 
-SLURM_HOSTS_CONF = """\
-ClusterName=hvdtopkhosts
-SlurmctldHost=node1({node1_addr})
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={base}/munge/munge.socket
-StateSaveLocation={base}/state
-# %n: each slurmd its own spool, pid file and log (the hosts share one filesystem)
-SlurmdSpoolDir={base}/spool/%n
-SlurmctldPidFile={base}/slurmctld.pid
-SlurmdPidFile={base}/slurmd-%n.pid
-SlurmctldLogFile={base}/log/slurmctld.log
-SlurmdLogFile={base}/log/slurmd-%n.log
-# No cgroups in containers and CI: track processes by parent, bind nothing.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/builtin
-SwitchType=switch/none
-MpiDefault=none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-ReturnToService=2
-JobRequeue=1
-KillWait=10
-InactiveLimit=0
-MinJobAge=3600
-SlurmdParameters=config_overrides
-{nodes}
-PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
-
-
 @pytest.fixture(scope="module")
 def slurm_hosts(hosts, slurm_tools):
     """slurmctld on node1 and a slurmd on each host (munged on the machine: its socket is a file, which
     every host reaches); stopped after the module. The client commands run on node1."""
     base = tempfile.mkdtemp(prefix="hvd_topk-slurm-hosts-")
-    for sub in ["munge", "state", "log", "jobs"] + [f"spool/{h.name}" for h in hosts.hosts]:
+    for sub in ["state", "log", "jobs"] + [f"spool/{h.name}" for h in hosts.hosts]:
         os.makedirs(os.path.join(base, sub))
-    os.chmod(os.path.join(base, "munge"), 0o755)
-    key = os.path.join(base, "munge", "munge.key")
-    with open(key, "wb") as f:
-        f.write(os.urandom(1024))
-    os.chmod(key, 0o600)
     cluster = Cluster(base, prefix=hosts.hosts[0].prefix, daemon_logs=["log/slurmctld.log"] + [
         f"log/slurmd-{h.name}.log" for h in hosts.hosts])
-    nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr} CPUs={SLOTS} State=UNKNOWN" for h in hosts.hosts)
+    # %n: each slurmd its own spool, pid file and log (the hosts share one filesystem)
+    header = (f"ClusterName=hvdtopkhosts\nSlurmctldHost=node1({hosts.hosts[0].addr})\n"
+              f"SlurmdSpoolDir={base}/spool/%n\nSlurmdPidFile={base}/slurmd-%n.pid\n"
+              f"SlurmdLogFile={base}/log/slurmd-%n.log")
+    nodes = "\n".join([f"NodeName={h.name} NodeAddr={h.addr} CPUs={SLOTS} State=UNKNOWN" for h in hosts.hosts]
+                      + ["PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP"])
     with open(cluster.conf, "w") as f:
-        f.write(SLURM_HOSTS_CONF.format(base=base, node1_addr=hosts.hosts[0].addr, nodes=nodes))
+        f.write(SLURM_CONF.format(header=header, base=base, nodes=nodes))
     # PMIx keeps per-step directories under this base (by default /tmp), named by job and step only:
     # on one machine the hosts' directories would collide. Each slurmd mounts its own tmpfs there.
     pmix_dir = os.path.join(base, "pmix")
     os.makedirs(pmix_dir)
     with open(os.path.join(base, "mpi.conf"), "w") as f:        # read from slurm.conf's directory
         f.write(f"PMIxCliTmpDirBase={pmix_dir}\n")
-
-    def start(name, *cmd):
-        log = open(os.path.join(base, "log", f"{name}.out"), "w")
-        cluster.files.append(log)
-        cluster.procs.append(subprocess.Popen(cmd, env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
     try:
-        start("munged", "munged", "--foreground", "--force", f"--key-file={key}",
-              f"--socket={base}/munge/munge.socket", f"--pid-file={base}/munge/munged.pid",
-              f"--seed-file={base}/munge/munged.seed", f"--log-file={base}/log/munged.log")
-        cluster.wait_for("munged's socket", lambda: os.path.exists(f"{base}/munge/munge.socket"), 30, 0.2)
+        cluster.start_munge()
         # nsenter (Host.slurmd_prefix), not `ip netns exec`: its /sys remount hides the cgroup mounts.
-        start("slurmctld", *hosts.hosts[0].slurmd_prefix, "slurmctld", "-D", "-i", "-f", cluster.conf)
+        cluster.start("slurmctld", *hosts.hosts[0].slurmd_prefix, "slurmctld", "-D", "-i", "-f", cluster.conf)
         for h in hosts.hosts:
             # A mount namespace per slurmd with a private tmpfs on the PMIx directory (see above).
-            start(f"slurmd-{h.name}", *h.slurmd_prefix, "unshare", "--mount", "sh", "-c",
-                  'mount -t tmpfs tmpfs "$2" && exec slurmd -D -N "$0" -f "$1"', h.name, cluster.conf,
-                  pmix_dir)
+            cluster.start(f"slurmd-{h.name}", *h.slurmd_prefix, "unshare", "--mount", "sh", "-c",
+                          'mount -t tmpfs tmpfs "$2" && exec slurmd -D -N "$0" -f "$1"', h.name, cluster.conf,
+                          pmix_dir)
         hosts.daemons.update(proc.pid for proc in cluster.procs)    # not a job's leftovers
         cluster.wait_for("both nodes to be idle", lambda: cluster.run(
             "sinfo", "-h", "-N", "-o", "%N %T", check=False).split() == ["node1", "idle", "node2", "idle"], 60)

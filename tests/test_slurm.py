@@ -114,6 +114,27 @@ class Cluster:
                     parts.append(f"--- {path} (tail) ---\n" + "".join(f.readlines()[-40:]))
         return "\n".join(parts)
 
+    def start(self, name, *cmd):
+        """Start a daemon (in the foreground, output in ``log/<name>.out``) that ``stop()`` ends."""
+        log = open(os.path.join(self.base, "log", f"{name}.out"), "w")
+        self.files.append(log)
+        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+
+    def start_munge(self):
+        """munged with a fresh key in ``munge/``, on the socket that slurm.conf names; waits for it."""
+        munge = os.path.join(self.base, "munge")
+        os.makedirs(munge)
+        os.chmod(munge, 0o755)                           # munged: its socket dir must be reachable
+        key = os.path.join(munge, "munge.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(key, 0o600)
+        self.start("munged", "munged", "--foreground", "--force", f"--key-file={key}",
+                   f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
+                   f"--seed-file={munge}/munged.seed", f"--log-file={self.base}/log/munged.log")
+        self.wait_for("munged's socket", lambda: os.path.exists(f"{munge}/munge.socket"), 30, 0.2)
+
     def stop(self):
         """Cancel every job, then stop slurmd, slurmctld and munged (SIGTERM, then SIGKILL)."""
         if os.path.exists(self.conf):
@@ -143,22 +164,19 @@ def _free_ports(n):
             s.close()
 
 
+# slurm.conf of every private test cluster: {header} names the cluster, its controller and slurmd's
+# files, {nodes} the nodes and the partition (this module: one node; tests/test_multihost.py: one per
+# emulated host).
 SLURM_CONF = """\
-ClusterName=hvdtopktest
-SlurmctldHost={node}(127.0.0.1)
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
+{header}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={base}/munge/munge.socket
 StateSaveLocation={base}/state
-SlurmdSpoolDir={base}/spool
 SlurmctldPidFile={base}/slurmctld.pid
-SlurmdPidFile={base}/slurmd.pid
 SlurmctldLogFile={base}/log/slurmctld.log
-SlurmdLogFile={base}/log/slurmd.log
 # No cgroups in containers and CI: track processes by parent, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -174,10 +192,9 @@ JobRequeue=1
 KillWait=10
 InactiveLimit=0
 MinJobAge=3600
-# The node is declared with 2 CPUs whatever the machine has (the tests need exactly 2 slots).
+# The nodes are declared with the CPUs the tests need, whatever the machine has.
 SlurmdParameters=config_overrides
-NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
-PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP
+{nodes}
 """
 
 
@@ -185,31 +202,22 @@ PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP
 def cluster(slurm_tools, tmp_path_factory):
     """Start munged, slurmctld and slurmd on private ports and files; stop them after the module."""
     base = str(tmp_path_factory.mktemp("slurm"))
-    for sub in ("munge", "state", "spool", "log", "jobs"):
+    for sub in ("state", "spool", "log", "jobs"):
         os.makedirs(os.path.join(base, sub))
-    os.chmod(os.path.join(base, "munge"), 0o755)       # munged: its socket dir must be reachable
-    key = os.path.join(base, "munge", "munge.key")
-    with open(key, "wb") as f:
-        f.write(os.urandom(1024))
-    os.chmod(key, 0o600)
     node = socket.gethostname().split(".")[0]
     ctld_port, slurmd_port = _free_ports(2)
     c = Cluster(base)
+    header = (f"ClusterName=hvdtopktest\nSlurmctldHost={node}(127.0.0.1)\nSlurmctldPort={ctld_port}\n"
+              f"SlurmdPort={slurmd_port}\nSlurmdSpoolDir={base}/spool\n"
+              f"SlurmdPidFile={base}/slurmd.pid\nSlurmdLogFile={base}/log/slurmd.log")
+    nodes = (f"NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n"      # the tests need exactly 2 slots
+             f"PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP")
     with open(c.conf, "w") as f:
-        f.write(SLURM_CONF.format(node=node, base=base, ctld_port=ctld_port, slurmd_port=slurmd_port))
-
-    def start(name, *cmd):
-        log = open(os.path.join(base, "log", f"{name}.out"), "w")
-        c.files.append(log)
-        c.procs.append(subprocess.Popen(cmd, env=c.env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True))
+        f.write(SLURM_CONF.format(header=header, base=base, nodes=nodes))
     try:
-        start("munged", "munged", "--foreground", "--force", f"--key-file={key}",
-              f"--socket={base}/munge/munge.socket", f"--pid-file={base}/munge/munged.pid",
-              f"--seed-file={base}/munge/munged.seed", f"--log-file={base}/log/munged.log")
-        c.wait_for("munged's socket", lambda: os.path.exists(f"{base}/munge/munge.socket"), 30, 0.2)
-        start("slurmctld", "slurmctld", "-D", "-i", "-f", c.conf)
-        start("slurmd", "slurmd", "-D", "-N", node, "-f", c.conf)
+        c.start_munge()
+        c.start("slurmctld", "slurmctld", "-D", "-i", "-f", c.conf)
+        c.start("slurmd", "slurmd", "-D", "-N", node, "-f", c.conf)
         c.wait_for("the node to be idle", lambda: c.run("sinfo", "-h", "-o", "%T", check=False).strip()
                    == "idle", 60)
         yield c
