@@ -137,11 +137,6 @@ def run_records(runs, args):
         return records
 
 
-def run(config, seed, args):
-    """The metric of one run: test accuracy (digits) or test loss (LM)."""
-    return run_records([(config, seed)], args)[0][EXAMPLES[getattr(args, "example", "digits")][2]]
-
-
 def dense_reference(config, configs):
     """The dense config ``config`` is compared with: same optimizer (first word), same data split
     ("non-IID" or not); None when that is not in ``configs`` or is ``config`` itself."""
