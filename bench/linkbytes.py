@@ -53,7 +53,7 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
     split_reduce 8 * ((N-1)/N * k + (N-1)): alltoall of k rows (value    numel < min_numel or ndim <= 1
                  + int32 index) to their region's owner and 1 flag
                  row to every rank, the rank's own share off the link;
-                 + 2(N-1)/N * 516: allreduce of a 129-int32 histogram;
+                 + 2(N-1)/N * 520: allreduce of a 130-int32 histogram;
                  + 8 * (N-1)/N * (k + N): allgatherv of the owners'
                  kept rows (at most k in all) + 1 padding row each
     ============ ======================================================  ==============================
@@ -81,8 +81,8 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
         4000.0
         >>> theoretical_bytes("allgather", [["w", 10000, 2]], 1024, 0.01, 4) # 3 * 8 * 101
         2424.0
-        >>> theoretical_bytes("split_reduce", [["w", 10000, 2]], 1024, 0.01, 4)  # 8 * 78 + 1.5 * 516 + 8 * 78
-        2022.0
+        >>> theoretical_bytes("split_reduce", [["w", 10000, 2]], 1024, 0.01, 4)  # 8 * 78 + 1.5 * 520 + 8 * 78
+        2028.0
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")

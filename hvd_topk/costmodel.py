@@ -39,10 +39,10 @@ __all__ = ["COLLECTIVES", "HIST_BYTES", "predict", "choose", "crossover_density"
 # (three collectives per tensor, but bytes per rank flat in N: a tie at this N turns its way at a larger
 # one), then allgather (bytes per rank growing with N).
 COLLECTIVES = ("dense_ring", "dense_tree", "artopk_ring", "artopk_tree", "split_reduce", "allgather")
-# Bytes H of split_reduce's histogram allreduce: 128 magnitude bins and one count of rows received
-# outside the owner's region, int32 (hvd_topk.transports.split_reduce). A constant here, since that
-# module needs torch and this one must not.
-HIST_BYTES = (128 + 1) * 4
+# Bytes H of split_reduce's histogram allreduce: 128 magnitude bins, one count of rows received
+# outside the owner's region and one of senders whose size differs, int32
+# (hvd_topk.transports.split_reduce). A constant here, since that module needs torch and this one must not.
+HIST_BYTES = (128 + 2) * 4
 # Relative margin within which two modelled times count as a tie, so that rounding in formulas that
 # are equal on paper (e.g. all zeros at N = 1) cannot flip the choice.
 _TIE_RTOL = 1e-9

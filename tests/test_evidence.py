@@ -46,17 +46,17 @@ def test_theoretical_bytes_by_hand():
     assert theoretical_bytes("artopk", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(4 * 11 + 0.5 * 4 * 10)
     assert theoretical_bytes("allgather", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(8 * 11)
     # split_reduce, rows of 8 bytes (value + int32 index): alltoall 0.75 * k rows + 3 flag rows, allreduce of a
-    # 516-byte histogram (ring 1.5), allgatherv of the k kept rows + 4 padding rows (0.75 of them per rank)
-    w_sr = 8 * (0.75 * 100 + 3) + 1.5 * 516 + 8 * 0.75 * (100 + 4)        # 624 + 774 + 624 = 2022
+    # 520-byte histogram (ring 1.5), allgatherv of the k kept rows + 4 padding rows (0.75 of them per rank)
+    w_sr = 8 * (0.75 * 100 + 3) + 1.5 * 520 + 8 * 0.75 * (100 + 4)        # 624 + 780 + 624 = 2028
     assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4) == pytest.approx(w_sr + 1.5 * 4 * 2048 + s_dense)
     assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4, value_bytes=2) == pytest.approx(
-        6 * 78 + 774 + 6 * 78 + 1.5 * 4 * 2048 + s_dense)
-    assert theoretical_bytes("split_reduce", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(8 * 6 + 516 + 8 * 6)
+        6 * 78 + 780 + 6 * 78 + 1.5 * 4 * 2048 + s_dense)
+    assert theoretical_bytes("split_reduce", [["w", 1000, 2]], 0, 0.01, 2) == pytest.approx(8 * 6 + 520 + 8 * 6)
     # against N at k = 100: split_reduce stays near 2k rows (plus O(N) flag/padding rows and the histogram),
     # allgather grows as (N-1)k
     w = [["w", 10_000, 2]]
     assert [theoretical_bytes("split_reduce", w, 0, 0.01, n) for n in (2, 4, 8)] == pytest.approx(
-        [408 + 516 + 408, 2022, 8 * (87.5 + 7) + 1.75 * 516 + 8 * 0.875 * 108])
+        [408 + 520 + 408, 2028, 8 * (87.5 + 7) + 1.75 * 520 + 8 * 0.875 * 108])
     assert [theoretical_bytes("allgather", w, 0, 0.01, n) for n in (2, 4, 8)] == pytest.approx(
         [808, 2424, 7 * 808])
     # k = numel: everything plus the flag is allreduced, no index set to broadcast

@@ -213,9 +213,9 @@ def test_stats_and_tensorboard_writer(hvd, tmp_path):
     assert stats["bytes_sent"] == (100 + 1) * 4          # k fp32 values + the finite flag
     assert 0 < stats["compression_gain"] < 1 and stats["residual_norm"] > 0
     split = one_step("split_reduce")
-    # k rows (4-byte value + int32 index) + a flag row out, the int32 histogram (128 bins + 1), the k kept
-    # rows + a padding row gathered; one rank keeps all of its top-k
-    assert split["bytes_sent"] == (100 + 1) * 8 + 129 * 4 + (100 + 1) * 8
+    # k rows (4-byte value + int32 index) + a flag row out, the int32 histogram (128 bins + 2 counts), the
+    # k kept rows + a padding row gathered; one rank keeps all of its top-k
+    assert split["bytes_sent"] == (100 + 1) * 8 + 130 * 4 + (100 + 1) * 8
     assert split["split_kept"] == 100 and split["split_imbalance"] == 1.0
     with SummaryWriter(str(tmp_path)) as writer:
         write_tensorboard(writer, stats, step=1)

@@ -132,4 +132,4 @@ def test_grouped_float16_and_global_jobs_agree_on_every_rank(run_ranks, np, extr
 def test_the_cost_model_counts_the_histogram_the_transport_sends():
     from hvd_topk import costmodel
     from hvd_topk.transports.split_reduce import HIST_BINS
-    assert costmodel.HIST_BYTES == (HIST_BINS + 1) * 4          # 128 bins + the outside-region count, int32
+    assert costmodel.HIST_BYTES == (HIST_BINS + 2) * 4    # 128 bins + the outside-region and size-mismatch counts, int32

@@ -23,10 +23,11 @@ class SparseAllgather:
         collectives: the ``Collectives`` that start the allgathers.
         average: divide the sum by the number of ranks (Horovod's Average).
         value_dtype: dtype of the values on the wire; None keeps the accumulator's.
+        name: prefix of the collectives' names (distinct per optimizer or TopKEF, identical on all ranks).
     """
 
-    def __init__(self, collectives, average, value_dtype=None):
-        self.collectives, self.average, self.value_dtype = collectives, average, value_dtype
+    def __init__(self, collectives, average, value_dtype=None, name="hvd_topk.allgather"):
+        self.collectives, self.average, self.value_dtype, self.name = collectives, average, value_dtype, name
 
     def start(self, key, acc, k, finite, grad=None, step=None, k_next=None):
         n = acc.numel()
@@ -36,7 +37,7 @@ class SparseAllgather:
         vbuf = torch.cat([values.to(vdtype), finite_flag(finite, acc).to(vdtype)])
         ibuf = torch.cat([indices, indices.new_full((1,), n)]).to(torch.int32)
         waits = self.collectives.allgather(key, [vbuf.reshape(-1, 1), ibuf.reshape(-1, 1)],
-                                           f"hvd_topk.allgather.{key}")
+                                           f"{self.name}.{key}")
         sent = None if k == n else indices
 
         def finish():

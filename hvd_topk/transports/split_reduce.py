@@ -21,7 +21,7 @@ between ranks).
 
 Error feedback stays exact per rank: ``sent`` is this rank's top-k entries that their owner kept; an
 entry it sent that was not kept stays in its residual, so Σ sent + residual = Σ grad holds.
-Bytes per rank: about 2k(P-1)/P rows and a 516-byte histogram, flat in P (allgather: (P-1)k rows).
+Bytes per rank: about 2k(P-1)/P rows and a 520-byte histogram, flat in P (allgather: (P-1)k rows).
 """
 import math
 
@@ -64,11 +64,16 @@ class SplitReduce:
         name: prefix of the collectives' names (distinct per optimizer, identical on all ranks).
         value_dtype: dtype of the values on the wire; None keeps the accumulator's.
         stats: ``StepStats`` that records rows kept and the regions' imbalance, or None.
+        mismatch_hint: what the error says to do when the ranks sent tensors of different sizes under
+            one key (``TopKEF`` without names: the ranks' orders differ).
+        budget: how many of the summed candidates are kept, as a multiple of k (>= 1).
     """
 
-    def __init__(self, collectives, average, regions, name, value_dtype=None, stats=None):
+    def __init__(self, collectives, average, regions, name, value_dtype=None, stats=None, mismatch_hint="",
+                 budget=1.0):
         self.collectives, self.average, self.regions = collectives, average, regions
         self.name, self.value_dtype, self.stats = name, value_dtype, stats
+        self.mismatch_hint, self.budget = mismatch_hint, budget
         self.inflight = {}              # key -> phase 1 in flight (step 1)
         self.outcomes = {}              # key -> Outcome, finished but not yet handed out
 
@@ -115,9 +120,12 @@ class SplitReduce:
     def _sum_candidates(self, key, handle, acc, sel, k, bounds):
         """Step 2 and the start of step 3: this owner's summed candidates and its histogram allreduce;
         None when some rank was non-finite (every owner received every rank's flag row)."""
-        rows, _ = mpi_ops.synchronize(handle)
+        rows, received = mpi_ops.synchronize(handle)
         values, indices = from_rows(rows, self.value_dtype or acc.dtype)
-        flags = indices == acc.numel()
+        # every sender's block starts with its flag row, whose index is the sender's numel
+        flags = torch.zeros(indices.numel(), dtype=torch.bool, device=indices.device)
+        flags[(torch.cumsum(received.long(), 0) - received.long()).to(indices.device)] = True
+        other_sizes = int((indices[flags] != acc.numel()).sum())
         largest = values[flags].to(torch.float64)
         if not bool(torch.isfinite(largest).all()):
             return None
@@ -131,7 +139,7 @@ class SplitReduce:
         bins = ((top - torch.log2(sums.abs().to(torch.float64))) * BINS_PER_OCTAVE).floor()
         bins = bins.nan_to_num(HIST_BINS - 1).clamp(0, HIST_BINS - 1).long()
         counts = torch.bincount(bins, minlength=HIST_BINS)
-        hist = torch.cat([counts.cpu(), torch.tensor([outside])]).to(torch.int32)
+        hist = torch.cat([counts.cpu(), torch.tensor([outside, other_sizes])]).to(torch.int32)
         handle = mpi_ops.allreduce_async(hist, op=mpi_ops.Sum, name=f"{self.name}.{key}.hist",
                                          process_set=self.collectives.process_set)
         return handle, acc, sel, k, candidates, sums, bins, counts
@@ -140,10 +148,16 @@ class SplitReduce:
         """Step 3: this owner's share of the global top-k, then the start of step 4's allgather."""
         hist = mpi_ops.synchronize(handle).long().to(bins.device)
         if int(hist[-1]):
+            raise ValueError(f"hvd_topk split_reduce: the ranks sent tensors of different sizes under {key!r} "
+                             f"({acc.numel()} elements on this rank); "
+                             f"{self.mismatch_hint or 'every rank must step the same model'}")
+        hist = hist[:-1]
+        if int(hist[-1]):
             raise RuntimeError(f"hvd_topk split_reduce: {int(hist[-1])} rows of {key!r} reached a rank that "
                                "does not own their index: the ranks disagree on the index regions (their "
                                "optimizer state differs; load the same checkpoint on every rank)")
         cumulative = torch.cumsum(hist[:-1], 0)
+        k = max(k, int(self.budget * k))
         if int(cumulative[-1]) <= k:
             keep = torch.ones_like(bins, dtype=torch.bool)
         else:
@@ -159,7 +173,7 @@ class SplitReduce:
         rows = to_rows(torch.cat([kept_values, kept_values.new_zeros(1)]), torch.cat([candidates[keep], pad]))
         handle = mpi_ops.allgather_async(rows, name=f"{self.name}.{key}.gather",
                                          process_set=self.collectives.process_set)
-        return handle, acc, sel, rows.numel() + (HIST_BINS + 1) * 4           # the histogram went as int32
+        return handle, acc, sel, rows.numel() + (HIST_BINS + 2) * 4           # the histogram went as int32
 
     def _gather(self, key, phase):
         """Step 4: the aggregate, identical on every rank, and what left this rank (its kept entries)."""
