@@ -149,7 +149,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     state = _build(config, names=sorted(n for n, _ in named_parameters),
                    schedule=DensitySchedule(compression.ratio, dense_steps, warmup_steps, warmup_epochs),
                    tuner=tuner, leader=leader, reduction=Reduction.of(op, gradient_predivide_factor),
-                   value_dtype=value_dtype, process_set=process_set)
+                   value_dtype=value_dtype, process_set=process_set, budget=compression.budget)
     elastic.register()                   # hvd.elastic.TorchState(optimizer=...) then uses hvd_topk.elastic
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticOptimizer),
                dict(_DistributedOptimizer.__dict__, **_OVERRIDES))
@@ -157,7 +157,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                gradient_predivide_factor, groups, bool(sparse_as_dense), process_set, momentum_correction)
 
 
-def _build(config, *, names, schedule, tuner, leader, reduction, value_dtype, process_set):
+def _build(config, *, names, schedule, tuner, leader, reduction, value_dtype, process_set, budget):
     """The step coordinator and its units. Collective names are identical on all ranks (the ranks create
     their optimizers in the same order) and distinct between optimizers: one optimizer's index sets or
     score may still be in flight in another's step."""
@@ -172,7 +172,8 @@ def _build(config, *, names, schedule, tuner, leader, reduction, value_dtype, pr
     average = reduction.op == Average
     transports = {"artopk": ARTopk(index_sets, leaders, collectives, reduction, value_dtype),
                   "allgather": SparseAllgather(collectives, average, value_dtype),
-                  "split_reduce": SplitReduce(collectives, average, Regions(), f"{tag}.split", value_dtype, stats),
+                  "split_reduce": SplitReduce(collectives, average, Regions(), f"{tag}.split", value_dtype, stats,
+                                              budget=budget),
                   "dense": Dense(collectives, reduction, value_dtype, name="values"),
                   "plain": Dense(collectives, reduction, None, name="dense")}
     units = StepUnits(schedule=schedule, tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(),

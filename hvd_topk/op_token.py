@@ -1,0 +1,68 @@
+"""What ``TopKEF`` hands Horovod's allreduce when its own transport carries the values.
+
+With ``communication='split_reduce'`` or ``'allgather'`` the values travel in collectives that TopKEF
+starts itself, named per key. Horovod still allreduces whatever ``compress`` returns, so TopKEF returns
+this token: 4 elements per tensor, in the gradient's dtype (Horovod's grouped allreduce takes one dtype
+per group). Its sum tells ``decompress`` two things a ``Compressor`` is never told:
+
+1. How Horovod combines the ranks (its ``op``). Each rank sends ``[1, 1 on rank 0 else 0, f, f*f]``.
+   Sum gives ``[P, 1, ...]``; Average, with or without ``gradient_predivide_factor``, gives
+   ``[1, 1/P, ...]``. Anything else (Adasum combines vectors non-linearly) raises. Every rank holds the
+   same reduced token, so every rank takes the same decision.
+2. Whether every rank compressed this gradient under the same key. Horovod matches its allreduce by
+   the parameter's name, and ``f`` is a fingerprint of the key TopKEF gave it (for a TopKEF without
+   names, its position in the step). All ranks' ``f`` are equal exactly when ``P * sum(f*f) == sum(f)**2``
+   (Cauchy-Schwarz), a test every rank evaluates on the same numbers. Fingerprints are small integers
+   (1..16), so both sums are integers that float32 rounding (Average's division by P) cannot move by
+   half a unit; half-precision gradients send f = 1 (no check): the transports' own size checks remain.
+"""
+import zlib
+
+import torch
+from horovod.torch import mpi_ops
+
+__all__ = ["OpToken", "fingerprint"]
+
+FINGERPRINTS = 16
+
+
+def fingerprint(key):
+    """A small integer in 1..16 from a key, identical on every rank."""
+    return zlib.crc32(repr(key).encode()) % FINGERPRINTS + 1
+
+
+class OpToken:
+    """Builds the token and reads Horovod's reduction and the key check back from its sum.
+
+    Args:
+        process_set: the ranks Horovod reduces over (the optimizer's process set).
+        mismatch_hint: what the key-mismatch error tells the user to do.
+    """
+
+    def __init__(self, process_set=mpi_ops.global_process_set, mismatch_hint=""):
+        self.process_set, self.mismatch_hint = process_set, mismatch_hint
+
+    def make(self, key, like):
+        """The token for ``key``, in ``like``'s dtype and device."""
+        f = 1.0 if like.dtype in (torch.float16, torch.bfloat16) else float(fingerprint(key))
+        first = 1.0 if self.process_set.rank() == 0 else 0.0
+        return torch.tensor([1.0, first, f, f * f], dtype=like.dtype, device=like.device)
+
+    def average(self, reduced, key):
+        """True if Horovod averaged, False if it summed; raises ValueError on any other reduction, or
+        when the ranks compressed this gradient under different keys."""
+        size = self.process_set.size()
+        ones, first, f, f2 = (float(v) for v in reduced.to(torch.float64).cpu())
+        if abs(ones - size) <= 1e-3 * size and abs(first - 1.0) <= 1e-3:
+            scale = 1.0                        # Sum
+        elif abs(ones - 1.0) <= 1e-3 and abs(first * size - 1.0) <= 1e-3:
+            scale = float(size)                # Average: undo the division for the key check
+        else:
+            raise ValueError("TopKEF supports op=hvd.Average or hvd.Sum (with any gradient_predivide_factor); "
+                             f"Horovod reduced its token to {[ones, first]} over {size} ranks, which neither "
+                             "gives (op=hvd.Adasum combines gradients non-linearly; it cannot carry top-k entries)")
+        total, total_sq = round(f * scale), round(f2 * scale)     # integers: sums of f and f*f
+        if size * total_sq != total * total:
+            raise ValueError(f"TopKEF: the ranks compressed the gradient Horovod reduced here under different "
+                             f"keys (this rank's: {key!r}); {self.mismatch_hint or 'every rank must give TopKEF the same named_parameters'}")
+        return size > 1 and scale != 1.0
