@@ -140,3 +140,67 @@ def test_positional_topkef_refuses_ranks_that_order_gradients_differently(run_ra
     for rank in (0, 1):
         lines = [line for line in failed.value.output.splitlines() if line.startswith(f"[{rank}]")]
         assert any("named_parameters=model.named_parameters()" in line for line in lines), f"rank {rank}"
+
+
+# -- every transport of TopKEF through stock Horovod ------------------------------------------------
+
+TRANSPORTS = ("split_reduce", "allgather", "artopk")
+
+
+def transport_job(np, communication, *extra):
+    return job(np, "train.py", "--named", "--communication", communication, "--ratio", 0.05, *extra)
+
+
+EF_JOBS = {(np, c): transport_job(np, c, "--steps", 8, "--record-ef", 8, "--dtype", "float64", "--reverse-odd")
+           for np in (2, 4) for c in TRANSPORTS}
+
+
+@pytest.mark.parametrize("ef_job", list(EF_JOBS.values()), ids=[f"{np}-{c}" for np, c in EF_JOBS])
+def test_every_transport_sums_what_left_the_ranks_in_any_order(results, ef_job):
+    """Odd ranks make their gradients ready in reverse order (no hang). In float64, at every step, the
+    aggregate every rank receives is the average of what left the ranks, where what left rank r is
+    its gradient plus its old residual minus its new one: error feedback is exact (Σ sent + residual =
+    Σ grad per rank by construction, and nothing sent is lost or counted twice). The ranks stay
+    bit-identical, and training was sparse (residuals hold mass). (Tensors under min_numel go to
+    Horovod's own allreduce, in place in ``.grad``, so their local gradient cannot be read back.)"""
+    ranks, np_ = results(ef_job), ef_job.np
+    assert_identical_across_ranks(ranks)
+    held_back = 0.0
+    for step in range(8):
+        records = [res["ef_records"][step] for res in ranks]
+        compressed = records[0]["after"]          # the others went dense: Horovod's allreduce, in place
+        assert len(compressed) == 7              # all but the 1-element output bias
+        for name, aggregate in records[0]["aggregate"].items():
+            if name not in compressed:
+                continue
+            sent = []
+            for rec in records:
+                assert torch.equal(rec["aggregate"][name], aggregate), (step, name)
+                before, after = rec["before"].get(name), rec["after"].get(name)
+                sent.append(rec["grad"][name] + (0 if before is None else before) - (0 if after is None else after))
+                held_back += 0.0 if after is None else float(after.abs().sum())
+            torch.testing.assert_close(sum(sent) / np_, aggregate, rtol=0, atol=1e-12, msg=f"step {step}, {name}")
+    assert held_back > 0
+
+
+NAN_JOBS = {c: transport_job(2, c, "--steps", 12, "--nan-rank", 1, "--nan-step", 6) for c in TRANSPORTS}
+
+
+@pytest.mark.parametrize("nan_job", list(NAN_JOBS.values()), ids=TRANSPORTS)
+def test_every_transport_skips_a_nan_step_everywhere_and_keeps_residuals(results, nan_job):
+    ranks = results(nan_job)
+    assert_identical_across_ranks(ranks)
+    for res in ranks:
+        assert res["nan_step_grads_finite"] is False
+        before, after = res["residual_before_nan"], res["residual_after_nan"]
+        assert before.keys() == after.keys() and len(before) > 0
+        assert all(torch.equal(before[key], after[key]) for key in before)
+
+
+UNEVEN_TRANSPORTS = {c: job(2, "uneven_params.py", "--compression", "named", "--ratio", 0.1, "--communication", c)
+                     for c in TRANSPORTS}
+
+
+@pytest.mark.parametrize("uneven_job", list(UNEVEN_TRANSPORTS.values()), ids=TRANSPORTS)
+def test_every_transport_holds_when_one_rank_leaves_a_parameter_unused(results, uneven_job):
+    assert_identical_across_ranks(results(uneven_job))

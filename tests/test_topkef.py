@@ -5,21 +5,28 @@ import pytest
 import torch
 
 from hvd_topk import TopKEF
+from hvd_topk.compression import STOCK_COMMUNICATIONS
 from hvd_topk.sparsify import k_for
+
+SPARSE = [c for c in STOCK_COMMUNICATIONS if c != "dense"]
 
 
 def run_step(comp, grads):
     """One step as Horovod runs it: compress every gradient, (allreduce: the identity at size 1), then
-    decompress every one. Returns [(this rank's sent contribution, decompressed result)]."""
+    decompress every one. Returns [(this rank's sent contribution, decompressed result)]: what left
+    this rank is acc minus the new residual (Σ sent + residual = Σ grad by construction, so the
+    invariant tests check that the residual and the result agree)."""
+    before = dict(comp.memory.residuals)
     compressed = [comp.compress(g) for g in grads]
+    outs = [comp.decompress(out.clone(), ctx) for out, ctx in compressed]
     results = []
-    for g, (out, ctx) in zip(grads, compressed):
-        sent = torch.zeros(g.numel(), dtype=g.dtype)
-        if ctx.indices is None:
-            sent = out[:-1].clone()
-        else:
-            sent.index_copy_(0, ctx.indices, out[:-1])
-        results.append((sent, comp.decompress(out.clone(), ctx)))
+    for g, (_, ctx), out in zip(grads, compressed, outs):
+        if ctx.dense:
+            results.append((g.reshape(-1).clone(), out))
+            continue
+        acc = g.reshape(-1) + (0 if before.get(ctx.key) is None else before[ctx.key])
+        after = comp.memory.residuals.get(ctx.key)
+        results.append((acc - (0 if after is None else after), out))
     return results
 
 
@@ -52,8 +59,22 @@ def test_class_usage_uses_default_instance_with_ratio_001(hvd):
     assert TopKEF.default() is TopKEF.default()
     g = torch.randn(5000)
     out, ctx = TopKEF.compress(g)
-    assert out.numel() == math.ceil(0.01 * 5000) + 1     # k values + the finite flag
+    assert TopKEF.default().communication == "split_reduce"
+    assert out.numel() == 4                              # Horovod reduces a token; split_reduce sends the values
     assert TopKEF.decompress(out, ctx).shape == g.shape
+
+
+def test_artopk_hands_horovod_k_values_and_a_flag(hvd):
+    comp = TopKEF(communication="artopk")
+    out, ctx = comp.compress(torch.randn(5000))
+    assert out.numel() == math.ceil(0.01 * 5000) + 1
+    assert comp.decompress(out, ctx).shape == (5000,)
+
+
+@pytest.mark.parametrize("bad", ["ring", None, "SPLIT_REDUCE"])
+def test_bad_communication_names_argument_and_choices(bad):
+    with pytest.raises(ValueError, match="communication"):
+        TopKEF(communication=bad)
 
 
 def test_small_and_integer_tensors_pass_through_unchanged(hvd):
@@ -66,9 +87,10 @@ def test_small_and_integer_tensors_pass_through_unchanged(hvd):
         assert comp.decompress(out, ctx) is t
 
 
-def test_error_feedback_invariant_float64(hvd):
+@pytest.mark.parametrize("communication", SPARSE)
+def test_error_feedback_invariant_float64(hvd, communication):
     torch.manual_seed(0)
-    comp = TopKEF(ratio=0.05, min_numel=0)
+    comp = TopKEF(ratio=0.05, min_numel=0, communication=communication)
     shapes = [(40, 30), (40, 30), (300,)]          # two slots share a shape: must not mix
     total_grad = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
     total_sent = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
@@ -83,8 +105,9 @@ def test_error_feedback_invariant_float64(hvd):
         assert residual.abs().sum() > 0
 
 
-def test_decompressed_gradient_is_sparse_with_k_nonzeros(hvd):
-    comp = TopKEF(ratio=0.01, min_numel=0)
+@pytest.mark.parametrize("communication", SPARSE)
+def test_decompressed_gradient_is_sparse_with_k_nonzeros(hvd, communication):
+    comp = TopKEF(ratio=0.01, min_numel=0, communication=communication)
     g = torch.randn(10_000)
     for _ in range(3):
         _, dense = roundtrip(comp, g)
@@ -92,7 +115,7 @@ def test_decompressed_gradient_is_sparse_with_k_nonzeros(hvd):
 
 
 def test_leader_picks_true_topk_of_accumulator_for_next_step(hvd):
-    comp = TopKEF(ratio=0.01, min_numel=0)
+    comp = TopKEF(ratio=0.01, min_numel=0, communication="artopk")
     g = torch.zeros(1000)
     g[[3, 500, 999]] = torch.tensor([5.0, -7.0, 6.0])
     g[10:20] = 0.001
@@ -103,8 +126,9 @@ def test_leader_picks_true_topk_of_accumulator_for_next_step(hvd):
     assert dense1[500] == 0 and int((dense1 != 0).sum()) <= 10   # 500 went at step 0
 
 
-def test_ratio_one_returns_the_gradient_exactly(hvd):
-    comp = TopKEF(ratio=1.0, min_numel=0)
+@pytest.mark.parametrize("communication", STOCK_COMMUNICATIONS)
+def test_ratio_one_returns_the_gradient_exactly(hvd, communication):
+    comp = TopKEF(ratio=1.0, min_numel=0, communication=communication)
     for _ in range(3):
         g = torch.randn(64, 64)
         sent, dense = roundtrip(comp, g)
@@ -125,8 +149,9 @@ def test_changed_gradient_sequence_raises_instead_of_mixing_residuals(hvd):
         comp2.decompress(out, ctx)
 
 
-def test_non_finite_gradient_gives_nan_everywhere_and_keeps_residual(hvd):
-    comp = TopKEF(ratio=0.1, min_numel=0)
+@pytest.mark.parametrize("communication", SPARSE)
+def test_non_finite_gradient_gives_nan_everywhere_and_keeps_residual(hvd, communication):
+    comp = TopKEF(ratio=0.1, min_numel=0, communication=communication)
     roundtrip(comp, torch.randn(200))
     before = comp.memory.residuals[0].clone()
     g = torch.randn(200)
@@ -138,8 +163,9 @@ def test_non_finite_gradient_gives_nan_everywhere_and_keeps_residual(hvd):
     assert torch.isfinite(dense).all()
 
 
-def test_non_finite_in_one_tensor_nans_the_whole_step_and_keeps_every_residual(hvd):
-    comp = TopKEF(ratio=0.1, min_numel=50)
+@pytest.mark.parametrize("communication", SPARSE)
+def test_non_finite_in_one_tensor_nans_the_whole_step_and_keeps_every_residual(hvd, communication):
+    comp = TopKEF(ratio=0.1, min_numel=50, communication=communication)
     grads = [torch.randn(200), torch.randn(300), torch.randn(10)]
     run_step(comp, grads)
     before = {slot: r.clone() for slot, r in comp.memory.residuals.items()}
@@ -154,15 +180,16 @@ def test_non_finite_in_one_tensor_nans_the_whole_step_and_keeps_every_residual(h
     assert all(torch.equal(comp.memory.residuals[s], before[s]) for s in before)
 
 
-def test_state_dict_roundtrip_continues_identically(hvd):
+@pytest.mark.parametrize("communication", SPARSE)
+def test_state_dict_roundtrip_continues_identically(hvd, communication):
     torch.manual_seed(0)
     grads = [torch.randn(500) for _ in range(8)]
-    ref = TopKEF(ratio=0.02, min_numel=0)
+    ref = TopKEF(ratio=0.02, min_numel=0, communication=communication)
     outs_ref = [roundtrip(ref, g)[1] for g in grads]
-    first = TopKEF(ratio=0.02, min_numel=0)
+    first = TopKEF(ratio=0.02, min_numel=0, communication=communication)
     for g in grads[:4]:
         roundtrip(first, g)
-    resumed = TopKEF(ratio=0.02, min_numel=0)
+    resumed = TopKEF(ratio=0.02, min_numel=0, communication=communication)
     resumed.load_state_dict(first.state_dict())
     for g, expected in zip(grads[4:], outs_ref[4:]):
         assert torch.equal(roundtrip(resumed, g)[1], expected)

@@ -38,6 +38,12 @@ p.add_argument("--nan-step", type=int, default=-1, help="... at this step")
 p.add_argument("--crash-rank", type=int, default=-1, help="this rank exits with an error at step 3")
 p.add_argument("--freeze-step", type=int, default=-1, help="freeze a middle layer's weight here")
 p.add_argument("--warmup", type=int, default=3, help="steps before timing and byte counting")
+p.add_argument("--communication", default="split_reduce", help="TopKEF's transport")
+p.add_argument("--named", action="store_true", help="TopKEF keyed by named_parameters (else by position)")
+p.add_argument("--reverse-odd", action="store_true",
+               help="odd ranks make their gradients ready in reverse order (one backward pass per parameter)")
+p.add_argument("--record-ef", type=int, default=0,
+               help="record each rank's gradient, residuals and aggregate for this many steps (float64 checks)")
 args = p.parse_args()
 
 hvd.init()
@@ -50,7 +56,9 @@ for _ in range(args.depth):
     width_in = args.width
 model = nn.Sequential(*layers, nn.Linear(width_in, 1)).to(dtype)
 opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=args.momentum)
-compression = (TopKEF(ratio=args.ratio, min_numel=args.min_numel, sync_indices=args.sync_indices)
+compression = (TopKEF(ratio=args.ratio, min_numel=args.min_numel, sync_indices=args.sync_indices,
+                      communication=args.communication,
+                      named_parameters=model.named_parameters() if args.named else None)
                if args.compression == "topkef" else hvd.Compression.none)
 opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
                                op=hvd.Average if args.op == "average" else hvd.Sum,
@@ -61,7 +69,7 @@ hvd.broadcast_optimizer_state(opt, root_rank=0)
 gen = torch.Generator().manual_seed(99 + hvd.rank())   # each rank its own data
 w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7), dtype=dtype)
 residual_before_nan = None
-step_times = []
+step_times, ef_records = [], []
 for step in range(args.steps):
     if step == args.warmup:
         tx0 = loopback_bytes()[0]
@@ -75,13 +83,27 @@ for step in range(args.steps):
         loss = ((model(x) - x @ w_true) ** 2).mean()
         if step == args.nan_step and hvd.rank() == args.nan_rank:
             loss = loss * float("nan")
-        loss.backward()
+        if args.reverse_odd:
+            # one backward pass per parameter: Horovod's hook for each fires (and compresses) in this order
+            order = list(model.parameters())[::-1 if hvd.rank() % 2 else 1]
+            for i, q in enumerate(order):
+                loss.backward(inputs=[q], retain_graph=i < len(order) - 1)
+        else:
+            loss.backward()
     if step == 3 and hvd.rank() == args.crash_rank:
         raise SystemExit("injected failure")
     if step == args.nan_step and args.compression == "topkef":
         residual_before_nan = {k: None if v is None else v.clone()
                                for k, v in compression.memory.residuals.items()}
+    if step < args.record_ef:
+        names = dict(model.named_parameters())
+        record = {"grad": {n: q.grad.detach().clone().reshape(-1) for n, q in names.items()},
+                  "before": {k: None if v is None else v.clone() for k, v in compression.memory.residuals.items()}}
     opt.synchronize()
+    if step < args.record_ef:
+        record.update(aggregate={n: q.grad.detach().clone().reshape(-1) for n, q in names.items()},
+                      after={k: None if v is None else v.clone() for k, v in compression.memory.residuals.items()})
+        ef_records.append(record)
     finite = all(torch.isfinite(q.grad).all() for q in model.parameters())
     if step == args.nan_step:
         nan_step_grads_finite = finite
@@ -104,6 +126,8 @@ result = {
 }
 if args.compression == "topkef":
     result["residuals"] = compression.memory.residuals
+if args.record_ef:
+    result["ef_records"] = ef_records
 if args.nan_step >= 0:
     result.update(nan_step_grads_finite=nan_step_grads_finite,
                   residual_before_nan=residual_before_nan, residual_after_nan=residual_after_nan)

@@ -17,6 +17,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--compression", choices=["none", "named", "positional", "class"], default="named")
 p.add_argument("--ratio", type=float, default=0.1)
 p.add_argument("--steps", type=int, default=10)
+p.add_argument("--communication", default="split_reduce", help="TopKEF's transport")
 args = p.parse_args()
 
 hvd.init()
@@ -38,8 +39,9 @@ class Net(nn.Module):
 
 model = Net()
 compression = {"none": hvd.Compression.none, "class": TopKEF,
-               "named": TopKEF(ratio=args.ratio, min_numel=64, named_parameters=model.named_parameters()),
-               "positional": TopKEF(ratio=args.ratio, min_numel=64)}[args.compression]
+               "named": TopKEF(ratio=args.ratio, min_numel=64, named_parameters=model.named_parameters(),
+                               communication=args.communication),
+               "positional": TopKEF(ratio=args.ratio, min_numel=64, communication=args.communication)}[args.compression]
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                named_parameters=model.named_parameters(), compression=compression)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
