@@ -59,11 +59,13 @@ def add_compression_args(parser):
                         "once all its gradients are ready (fewer, larger messages); 0: no groups")
     g.add_argument("--communication", choices=["artopk", "allgather", "split_reduce", "dense", "auto"],
                    default="split_reduce",
-                   help="hvd_topk: transport: artopk (AR-Topk: one shared index set, values allreduced), allgather "
+                   help="topkef and hvd_topk: transport (auto: hvd_topk only): artopk (AR-Topk: one shared index set, values allreduced), allgather "
                         "(every rank's own top-k gathered), split_reduce (Ok-Topk: top-k rows to their index "
                         "region's owner, reduced there, the kept rows gathered), dense, or auto (chosen per tensor "
                         "from a probe of the link and timed trials)")
     g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
+    g.add_argument("--budget", type=float, default=1.0,
+                   help="topkef and hvd_topk: split_reduce keeps the largest budget * k summed entries (>= 1)")
     g.add_argument("--selection", choices=["layerwise", "global"], default="layerwise",
                    help="hvd_topk: top-k per tensor, or over all compressed tensors at once")
     g.add_argument("--momentum-correction", choices=["auto", "on", "off"], default="auto",
@@ -129,7 +131,7 @@ def make_distributed_optimizer(args, model, base_opt):
             logging.getLogger("hvd_topk").setLevel(logging.INFO)     # rank 0 logs each auto decision
         opt = hvd_topk.DistributedOptimizer(
             base_opt, named_parameters=named,
-            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel),
+            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget),
             communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
             dense_steps=args.dense_steps, selection=args.selection,
             momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
@@ -144,7 +146,8 @@ def make_distributed_optimizer(args, model, base_opt):
                          "--local-momentum off and --value-dtype float16 need --compression hvd_topk")
     comp = None
     if args.compression == "topkef":
-        comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel, named_parameters=named)
+        comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel, named_parameters=named,
+                      communication=args.communication, budget=args.budget)
         compression = comp
     else:
         compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
