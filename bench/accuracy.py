@@ -124,6 +124,8 @@ LM_CONFIGS = {
     "AdamW top-k 0.01, update, no local momentum, split_reduce": [
         "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",
         "--communication", "split_reduce"],
+    "AdamW stock TopKEF 0.01": ["--compression", "topkef", "--ratio", "0.01"],
+    "AdamW stock TopKEF 0.01, artopk": ["--compression", "topkef", "--ratio", "0.01", "--communication", "artopk"],
     "AdamW dense, non-IID": ["--compression", "none", "--non-iid"],
     "AdamW top-k 0.01, update, no local momentum, allgather, non-IID": [
         "--compression", "hvd_topk", "--ratio", "0.01", "--compress", "update", "--local-momentum", "off",

@@ -1,0 +1,104 @@
+"""Horovod's own optimizer tests, run with hvd_topk swapped in for ``hvd.DistributedOptimizer``.
+
+Horovod 0.28.1's ``test/parallel/test_torch.py`` is not in its sdist, so this needs a Horovod source
+tree at the v0.28.1 tag (``--horovod-source``); nothing of it is copied here. Under horovodrun, pytest
+collects that file, and a plugin rebinds the module's global ``hvd`` to a namespace that forwards
+everything to ``horovod.torch`` except ``DistributedOptimizer``, which builds the front door named by
+``--front-door`` (Horovod itself is untouched)::
+
+    python -m bench.peer_tests --horovod-source ~/src/horovod --front-door topkef
+    python -m bench.peer_tests --horovod-source ~/src/horovod --front-door hvd_topk --np 2
+
+Front doors: ``horovod`` (nothing swapped: the baseline, since some tests fail on torch 2.13 as
+they stand), ``topkef`` (``compression=TopKEF(named_parameters=...)``), ``topkef_unnamed`` (an
+instance without names), ``topkef_class`` (``compression=TopKEF``) and ``hvd_topk``
+(``hvd_topk.DistributedOptimizer``). Each test runs in a job of its own with a 120 s limit, so a hang
+shows as a timeout, not as a stuck run. Prints one line per test and the tally.
+"""
+import argparse
+import os
+import sys
+import time
+import unittest.mock
+
+from bench.infra.launch import JobFailed, run_job
+
+# The tests of test_torch.py that build hvd.DistributedOptimizer (CPU ones; the GPU variants skip).
+OPTIMIZER_TESTS = ("test_broadcast_state", "test_broadcast_state_options", "test_broadcast_state_no_grad",
+                   "test_force_allreduce", "test_model_parallelism", "test_delta_optimizer", "test_duplicate_names",
+                   "test_dynamic_requires_grad", "test_gradient_clipping", "test_synchronize_step_warning",
+                   "test_no_named_parameters", "test_missing_named_parameters", "test_optimizer_no_named_parameters",
+                   "test_sparse_embeddings", "test_optimizer_process_sets")
+FRONT_DOORS = ("horovod", "topkef", "topkef_unnamed", "topkef_class", "hvd_topk")
+# test_torch.py imports the ``mock`` backport; the standard library's is the same API
+sys.modules.setdefault("mock", unittest.mock)
+
+
+class SwappedHorovod:
+    """``horovod.torch`` with ``DistributedOptimizer`` replaced by one of hvd_topk's front doors."""
+
+    def __init__(self, front_door, ratio):
+        import horovod.torch as hvd
+        self._hvd, self._front_door, self._ratio = hvd, front_door, ratio
+
+    def __getattr__(self, name):
+        return getattr(self._hvd, name)
+
+    def DistributedOptimizer(self, optimizer, named_parameters=None, compression=None, **kwargs):
+        import hvd_topk
+        from hvd_topk import TopKEF
+        if self._front_door == "hvd_topk":
+            return hvd_topk.DistributedOptimizer(optimizer, named_parameters=named_parameters,
+                                                 compression=TopKEF(ratio=self._ratio), **kwargs)
+        named = list(named_parameters) if named_parameters is not None else None
+        comp = {"topkef": lambda: TopKEF(ratio=self._ratio, min_numel=0, named_parameters=named),
+                "topkef_unnamed": lambda: TopKEF(ratio=self._ratio, min_numel=0),
+                "topkef_class": lambda: TopKEF}[self._front_door]()
+        return self._hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=comp, **kwargs)
+
+
+def pytest_collection_finish(session):
+    """pytest plugin hook (this module is loaded with -p): rebind ``hvd`` in the collected module."""
+    swapped = SwappedHorovod(os.environ["PEER_FRONT_DOOR"], float(os.environ["PEER_RATIO"]))
+    for item in session.items:
+        if swapped._front_door != "horovod":
+            item.module.hvd = swapped
+
+
+def run_one(args, test):
+    """(outcome, seconds, last lines) of one Horovod test in a job of its own."""
+    tests = os.path.join(args.horovod_source, "test", "parallel", "test_torch.py")
+    argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "bench.peer_tests", "-p", "no:cacheprovider",
+            f"{tests}::TorchTests::{test}"]
+    env = dict(os.environ, PEER_FRONT_DOOR=args.front_door, PEER_RATIO=str(args.ratio),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    try:
+        output = run_job(args.np, argv, timeout=args.timeout, env=env)
+        outcome = "skipped" if " skipped" in output and " passed" not in output else "passed"
+    except JobFailed as failed:
+        output = failed.output
+        outcome = "timeout" if time.monotonic() - t0 >= args.timeout - 1 else "failed"
+    return outcome, time.monotonic() - t0, [line for line in output.splitlines() if line.strip()][-3:]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--horovod-source", required=True, help="a Horovod source tree at v0.28.1")
+    p.add_argument("--front-door", choices=FRONT_DOORS, default="topkef")
+    p.add_argument("--ratio", type=float, default=0.01)
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=120)
+    p.add_argument("--tests", nargs="+", default=list(OPTIMIZER_TESTS))
+    args = p.parse_args()
+    tally = {}
+    for test in args.tests:
+        outcome, seconds, tail = run_one(args, test)
+        tally[outcome] = tally.get(outcome, 0) + 1
+        print(f"{test:40s} {outcome:8s} {seconds:6.1f} s" + ("" if outcome == "passed" else f"   {tail[-1][:160]}"),
+              flush=True)
+    print(f"{args.front_door}: " + ", ".join(f"{n} {k}" for k, n in sorted(tally.items())))
+
+
+if __name__ == "__main__":
+    main()
