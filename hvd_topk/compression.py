@@ -15,7 +15,8 @@ drives) with Horovod's public asynchronous collectives, named per parameter:
   Horovod's own allreduce sums the k values (+ one flag). Fewest collectives; one leader's choice.
 - ``dense`` (or ratio 1.0): the gradient + one flag go to Horovod's allreduce: dense Horovod.
 
-Which parameter a gradient belongs to: ``gradient_keys``.
+Which parameter a gradient belongs to: ``gradient_keys``. Horovod's ``op`` may be Average or Sum
+(``gradient_predivide_factor`` included); Adasum raises at the first step, on every rank.
 
 Non-finite gradients: if any rank's ``acc`` holds NaN/Inf, every rank learns it (a flag in the same
 collective); then every gradient of that step is all NaN on every rank (so a loss scaler or
@@ -25,22 +26,16 @@ Sparse gradients (``nn.Embedding(sparse=True)``) that Horovod sends with its own
 (``sparse_as_dense=False``) pass through untouched; with ``sparse_as_dense=True`` Horovod hands
 ``compress`` the densified gradient, which is compressed like any other.
 """
-import math
 from typing import Hashable, NamedTuple, Optional
 
 import torch
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
-from .comm import Collectives
+from .compressor_transports import CompressorTransports
 from .gradient_keys import ParameterKeys, SlotSequence
-from .index_sets import IndexPipeline
-from .leaders import StarLeaders
 from .memory import ResidualMemory
-from .op_token import OpToken
-from .regions import Regions
 from .sparsify import k_for, sq_norm_finite
-from .transports import ARTopk, SparseAllgather, SplitReduce
 from .validate import check_choice, check_int, check_number
 
 __all__ = ["TopKEF", "STOCK_COMMUNICATIONS"]
@@ -58,10 +53,9 @@ class _Ctx(NamedTuple):
     dense: bool                                # True: passed through unchanged
     key: Optional[Hashable] = None             # parameter name or slot; None: not part of the step
     shape: tuple = ()
-    indices: Optional[torch.Tensor] = None     # artopk: shared index set; None when all entries were sent
-    residual: Optional[torch.Tensor] = None    # artopk: candidate residual, committed only on a finite step
     started: object = None                     # split_reduce/allgather: the transport in flight
-    acc: Optional[torch.Tensor] = None         # ... and the accumulator, whose sent entries leave the residual
+    indices: Optional[torch.Tensor] = None     # artopk: shared index set; None when all entries were sent
+    acc: Optional[torch.Tensor] = None         # the accumulator: with its sent entries zeroed, the residual
 
 
 class _ClassOrInstance:
@@ -129,9 +123,6 @@ class TopKEF(Compressor):
             the ranks' own top-k entries where their sets disagree (non-IID data), at budget * k rows
             gathered by every rank. ``hvd_topk.DistributedOptimizer`` reads it from here too.
 
-    Horovod's ``op`` may be Average or Sum (``gradient_predivide_factor`` included); Adasum raises at
-    the first step, on every rank.
-
     Example:
         >>> import horovod.torch as hvd, torch
         >>> hvd.init()
@@ -153,23 +144,14 @@ class TopKEF(Compressor):
         self.communication = check_choice("communication", communication, STOCK_COMMUNICATIONS)
         self.budget = check_number("budget", budget, low=1, what="(multiple of k kept by split_reduce)")
         self.sync_indices = bool(sync_indices)
-        tag, hint = f"hvd_topk.TopKEF{TopKEF._instances}", _MISMATCH_HINT if named_parameters is None else ""
-        TopKEF._instances += 1
         # state, per rank
         self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
         self.memory = ResidualMemory()        # key -> residual
-        self.steps = {}                       # key -> steps compressed so far (same on all ranks)
         self._step = _PendingStep()           # this step's candidates
-        self.index_sets = IndexPipeline(f"{tag}.indices", sync=sync_indices, mismatch_hint=hint,
-                                        process_set=process_set, on_leaders_differ=lambda: self.steps.clear())
-        self.artopk = ARTopk(self.index_sets, StarLeaders(self.keys.key_index, process_set))
-        # Sums, not averages: the op is read from the token at decompress (hvd_topk.op_token).
-        collectives = Collectives(f"{tag}.group", process_set=process_set)
-        self.transports = {"split_reduce": SplitReduce(collectives, False, Regions(), f"{tag}.split",
-                                                       mismatch_hint=hint, budget=self.budget),
-                           "allgather": SparseAllgather(collectives, False, name=f"{tag}.allgather")}
-        self.token = OpToken(process_set, mismatch_hint=hint or _MISMATCH_HINT)
-        self.process_set = process_set
+        self.transports = CompressorTransports(f"hvd_topk.TopKEF{TopKEF._instances}", self.communication,
+                                               self.keys.key_index, process_set, _MISMATCH_HINT if named_parameters
+                                               is None else "", sync_indices, self.budget)
+        TopKEF._instances += 1
 
     @classmethod
     def default(cls):
@@ -183,8 +165,8 @@ class TopKEF(Compressor):
         """Horovod contract: ``(tensor_to_allreduce, ctx)``: the token, ``[k values..., flag]`` or the
         gradient itself (module docstring)."""
         out = self._compress(tensor)
-        if self.communication == "artopk" and self.keys.step_complete():
-            self.index_sets.flush()            # the step's last gradient: share the next sets now
+        if self.keys.step_complete():
+            self.transports.flush()            # the step's last gradient
         return out
 
     def _compress(self, tensor):
@@ -192,33 +174,17 @@ class TopKEF(Compressor):
             return tensor, _Ctx(dense=True)
         key = self.keys.next_key(tensor)
         if getattr(self.keys, "interrupted", False):
-            # The abandoned step's candidates are dropped, and so are the index sets, phases in flight
-            # and step counters: the failure may have stopped each rank at another point of that step
-            # (one flushed its sets, another did not), so only an empty start is the same on every rank.
+            # The abandoned step's candidates are dropped, and so is what the transports shared: the
+            # failure may have stopped each rank at another point of that step.
             self._step, self.keys.interrupted = _PendingStep(), False
-            self.index_sets.forget()
-            self.transports["split_reduce"].forget()
-            self.steps.clear()
-        if self.communication == "artopk":
-            # Before a step counter is read: if the ranks' counters differ (a rank joined an elastic
-            # job), every rank learns it here and clears them (IndexPipeline), so the leaders agree.
-            self.index_sets.receive()
+            self.transports.forget()
+        self.transports.before_gradient()
         if tensor.numel() < self.min_numel:
             return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
         acc = self.memory.compensate(key, tensor)
         k = k_for(acc.numel(), self.ratio)
-        finite = sq_norm_finite(acc)[1]
-        if self.communication in self.transports and k < acc.numel():
-            started = self.transports[self.communication].start(key, acc, k, finite)
-            return (self.token.make(key, tensor),
-                    _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started, acc=acc))
-        step = self.steps.get(key, 0)
-        self.steps[key] = step + 1
-        if self.communication != "artopk":
-            k = acc.numel()                    # dense: everything, through Horovod's allreduce
-        buf, indices, _ = self.artopk.pack(key, acc, k, finite, tensor.reshape(-1), step, k)
-        residual = None if indices is None else acc.index_fill_(0, indices, 0)
-        return buf, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), indices=indices, residual=residual)
+        buf, started, indices = self.transports.send(key, acc, k, sq_norm_finite(acc)[1], tensor)
+        return buf, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started, indices=indices, acc=acc)
 
     @_ClassOrInstance
     def decompress(self, tensor, ctx):
@@ -231,28 +197,16 @@ class TopKEF(Compressor):
             out = tensor
             finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
         else:
-            out, residual = self._unpack(tensor, ctx)
+            out, residual = self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started, ctx.indices, ctx.acc)
             finite = out is not None
             if finite:
                 out = out.reshape(ctx.shape)
             self._step.commits.append((ctx.key, residual))
         out = self._step.hand_out(out, finite, tensor, ctx.shape)
         if self.keys.pending == 0:             # Horovod compresses all before it decompresses any
-            if self.communication == "artopk":
-                self.index_sets.flush()        # unless the last compress did (not in the first step)
+            self.transports.flush()            # unless the last compress did (not in the first step)
             self._step.commit(self.memory)
         return out
-
-    def _unpack(self, reduced, ctx):
-        """(flat aggregate or None if non-finite somewhere, candidate residual) of one gradient."""
-        if ctx.started is None:
-            return ARTopk.unpack(reduced, ctx.indices, math.prod(ctx.shape), reduced.dtype), ctx.residual
-        average = self.token.average(reduced, ctx.key)     # raises, on every rank, before any value is used
-        outcome = ctx.started.finish()
-        if outcome.aggregate is not None and average:
-            outcome.aggregate.mul_(1.0 / self.process_set.size())
-        residual = None if outcome.sent is None else ctx.acc.index_fill_(0, outcome.sent, 0)
-        return outcome.aggregate, residual
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -260,15 +214,10 @@ class TopKEF(Compressor):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
         return {"ratio": self.ratio, "communication": self.communication,
                 "signatures": list(getattr(self.keys, "signatures", [])),
-                "residuals": self.memory.state_dict(), "steps": dict(self.steps),
-                "next_indices": self.index_sets.state_dict(),
-                "regions": self.transports["split_reduce"].regions.state_dict()}
+                "residuals": self.memory.state_dict(), **self.transports.state_dict()}
 
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on this rank."""
         self.keys.restore(state["signatures"])
         self.memory.load_state_dict(state["residuals"])
-        self.steps = dict(state["steps"])
-        self.index_sets.load_state_dict(state["next_indices"])
-        self.transports["split_reduce"].forget()
-        self.transports["split_reduce"].regions.load_state_dict(state.get("regions"))
+        self.transports.load_state_dict(state)

@@ -49,7 +49,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=mpi_ops.global_process_set, *,
                          momentum_correction=None, warmup_steps=0, warmup_epochs=0, clip_grad_norm=None,
-                         communication="split_reduce", leader="star", value_dtype=None, grad_scaler=None,
+                         communication=None, leader="star", value_dtype=None, grad_scaler=None,
                          selection="layerwise", adaptive_ratio=None, adaptive_weight=DEFAULT_WEIGHT, auto_every=50,
                          dense_steps=0, compress="gradient", local_momentum=True):
     """Wrap ``optimizer`` for Horovod with Top-K compression, error feedback and DGC momentum correction.
@@ -81,10 +81,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             summed per index region by the region's owner, the global top-k of the sums allgathered:
             bytes flat in the number of ranks; ``hvd_topk.transports.split_reduce``), ``'dense'``
             (plain allreduce) or ``'auto'`` (per compressed tensor, the transport the cost model with
-            probed alpha/beta picks; see ``hvd_topk.auto``). The default is ``'split_reduce'``: it
-            selects from every rank's accumulator, where AR-Topk's one leader's index set fell 3 to 5
-            points behind dense on the digits CNN at 8 ranks (docs/results.md); ``'artopk'`` needs the fewest
-            collectives per step (the lowest latency) and is what ``TopKEF`` in stock Horovod sends.
+            probed alpha/beta picks; see ``hvd_topk.auto``). None (default): the compression's
+            ``communication``, ``'split_reduce'`` unless the TopKEF given says otherwise. split_reduce
+            selects from every rank's accumulator, where AR-Topk's one leader's index set fell behind
+            dense on the digits CNN at 8 ranks (docs/results.md); ``'artopk'`` needs the fewest
+            collectives per step (the lowest latency).
         leader: AR-Topk leader, ``'star'`` (round robin) or ``'var'`` (largest EWMA gradient norm).
         selection: ``'layerwise'`` (top-k of each tensor, sent as soon as its gradient is ready) or
             ``'global'`` (one top-k over all compressed tensors fused into one bucket, sent at
@@ -139,8 +140,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     if num_groups:
         warnings.warn("num_groups has been replaced by groups in Horovod", DeprecationWarning)
         groups = num_groups if groups is None else groups
+    if communication is None:               # the TopKEF's (a non-TopKEF compression is refused below)
+        given = compression.default() if isinstance(compression, type) and issubclass(compression, TopKEF) \
+            else compression
+        communication = getattr(given, "communication", "split_reduce")
     compression, momentum_correction, tuner = _checked(**{k: v for k, v in locals().items()
-                                                          if k not in ("named_parameters", "num_groups")})
+                                                          if k not in ("named_parameters", "num_groups", "given")})
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
     config = StepConfig(communication=communication, selection=selection, compress=compress,

@@ -32,7 +32,7 @@ from ..regions import Regions
 from ..sparsify import sq_norm_finite, topk_indices
 from . import Outcome, Started
 
-__all__ = ["SplitReduce", "HIST_BINS"]
+__all__ = ["SplitReduce", "HIST_BINS", "magnitude_bins", "owners_share"]
 
 BINS_PER_OCTAVE = 4                    # magnitude resolution of the histogram: bins 2**(1/4) wide
 HIST_BINS = 128                        # 32 octaves below the largest possible sum; smaller go in the last
@@ -51,6 +51,35 @@ def from_rows(rows, dtype):
     width = rows.shape[1] - INDEX_BYTES
     values = rows[:, :width].contiguous().view(dtype).reshape(-1)
     return values, rows[:, width:].contiguous().view(torch.int32).reshape(-1).long()
+
+
+def magnitude_bins(sums, largest):
+    """The histogram bin of each summed candidate. Bin 0 holds magnitudes just below the largest
+    possible sum (P x the largest |value| any rank sent, ``largest`` holding each rank's)."""
+    top = math.log2(float(largest.max()) * largest.numel()) if float(largest.max()) > 0 else 0.0
+    bins = ((top - torch.log2(sums.abs().to(torch.float64))) * BINS_PER_OCTAVE).floor()
+    return bins.nan_to_num(HIST_BINS - 1).clamp(0, HIST_BINS - 1).long()
+
+
+def owners_share(hist, counts, bins, sums, k):
+    """Which of this owner's candidates it keeps (step 3): those of the bins above the one where the
+    global count reaches k, and from that bin a share proportional to this owner's count there.
+
+    Args:
+        hist: the global count per bin (identical on every rank); counts: this owner's; bins: the bin
+            of each of its candidates; sums: their summed values; k: how many to keep in all.
+    """
+    cumulative = torch.cumsum(hist, 0)
+    if int(cumulative[-1]) <= k:
+        return torch.ones_like(bins, dtype=torch.bool)
+    cut = int(torch.searchsorted(cumulative, k))            # first bin where the count reaches k
+    above = int(cumulative[cut - 1]) if cut > 0 else 0
+    share = (k - above) * int(counts[cut]) // int(hist[cut])
+    keep = bins < cut
+    in_cut = (bins == cut).nonzero().reshape(-1)
+    if share > 0:
+        keep[in_cut[torch.topk(sums[in_cut].abs(), share).indices]] = True
+    return keep
 
 
 class SplitReduce:
@@ -134,10 +163,7 @@ class SplitReduce:
         outside = int(((indices < bounds[me]) | (indices >= bounds[me + 1])).sum())
         candidates, slot = torch.unique(indices, return_inverse=True)
         sums = torch.zeros(candidates.numel(), dtype=acc.dtype, device=acc.device).index_add_(0, slot, values)
-        # bin 0 holds magnitudes just below the largest possible sum (P x the largest |value| sent)
-        top = math.log2(float(largest.max()) * largest.numel()) if float(largest.max()) > 0 else 0.0
-        bins = ((top - torch.log2(sums.abs().to(torch.float64))) * BINS_PER_OCTAVE).floor()
-        bins = bins.nan_to_num(HIST_BINS - 1).clamp(0, HIST_BINS - 1).long()
+        bins = magnitude_bins(sums, largest)
         counts = torch.bincount(bins, minlength=HIST_BINS)
         hist = torch.cat([counts.cpu(), torch.tensor([outside, other_sizes])]).to(torch.int32)
         handle = mpi_ops.allreduce_async(hist, op=mpi_ops.Sum, name=f"{self.name}.{key}.hist",
@@ -156,18 +182,7 @@ class SplitReduce:
             raise RuntimeError(f"hvd_topk split_reduce: {int(hist[-1])} rows of {key!r} reached a rank that "
                                "does not own their index: the ranks disagree on the index regions (their "
                                "optimizer state differs; load the same checkpoint on every rank)")
-        cumulative = torch.cumsum(hist[:-1], 0)
-        k = max(k, int(self.budget * k))
-        if int(cumulative[-1]) <= k:
-            keep = torch.ones_like(bins, dtype=torch.bool)
-        else:
-            cut = int(torch.searchsorted(cumulative, k))            # first bin where the count reaches k
-            above = int(cumulative[cut - 1]) if cut > 0 else 0
-            share = (k - above) * int(counts[cut]) // int(hist[cut])
-            keep = bins < cut
-            in_cut = (bins == cut).nonzero().reshape(-1)
-            if share > 0:
-                keep[in_cut[torch.topk(sums[in_cut].abs(), share).indices]] = True
+        keep = owners_share(hist[:-1], counts, bins, sums, max(k, int(self.budget * k)))
         kept_values = sums[keep].to(self.value_dtype or acc.dtype)
         pad = candidates.new_full((1,), acc.numel())                # one row even when nothing is kept
         rows = to_rows(torch.cat([kept_values, kept_values.new_zeros(1)]), torch.cat([candidates[keep], pad]))

@@ -1,0 +1,109 @@
+"""The transports as ``TopKEF`` drives them inside Horovod's ``Compressor`` contract.
+
+``send`` runs in ``compress``, ``receive`` in ``decompress``; between them Horovod allreduces what
+``send`` returned. The transport classes are the optimizer's (``hvd_topk.transports``):
+
+1. ``split_reduce``/``allgather``: ``start`` their first collective now (Horovod's public
+   asynchronous collectives, named per key) and return the ``op_token`` for Horovod's allreduce.
+   ``receive`` reads Horovod's op and the key check from the reduced token before any value is used,
+   then finishes the transport (split_reduce runs its later phases for every key at the first
+   ``receive`` of a step, in sorted key order: every rank has started every first phase by then).
+2. ``artopk``: the k values at the shared index set + a flag go to Horovod's allreduce; the next
+   step's sets leave in one allgather once the step's last gradient is compressed (``flush``).
+3. ``dense`` (and any tensor whose k is its size): the accumulator + a flag go to Horovod's allreduce.
+
+The sums are taken as sums; ``receive`` divides by P when the token says Horovod averaged, with the
+same ``mul_(1/P)`` as the optimizer's transports.
+"""
+import math
+
+from horovod.torch import mpi_ops
+
+from .comm import Collectives
+from .index_sets import IndexPipeline
+from .leaders import StarLeaders
+from .op_token import OpToken
+from .regions import Regions
+from .transports import ARTopk, SparseAllgather, SplitReduce
+
+__all__ = ["CompressorTransports"]
+
+
+class CompressorTransports:
+    """One ``TopKEF``'s transport state, per rank.
+
+    Args:
+        tag: prefix of the collectives' names (identical on all ranks, distinct per TopKEF).
+        communication: ``'split_reduce'``, ``'allgather'``, ``'artopk'`` or ``'dense'``.
+        key_index: key -> int, the same on every rank (STAR's leaders).
+        process_set: the ranks Horovod reduces over.
+        mismatch_hint: what the errors say when the ranks keyed a gradient differently.
+        sync_indices: artopk: share the current step's set with a blocking broadcast.
+        budget: split_reduce keeps budget * k sums.
+    """
+
+    def __init__(self, tag, communication, key_index, process_set=mpi_ops.global_process_set, mismatch_hint="",
+                 sync_indices=False, budget=1.0):
+        self.communication, self.process_set = communication, process_set
+        self.steps = {}                       # key -> artopk steps so far (same on all ranks)
+        self.index_sets = IndexPipeline(f"{tag}.indices", sync=sync_indices, mismatch_hint=mismatch_hint,
+                                        process_set=process_set, on_leaders_differ=lambda: self.steps.clear())
+        self.artopk = ARTopk(self.index_sets, StarLeaders(key_index, process_set))
+        collectives = Collectives(f"{tag}.group", process_set=process_set)
+        self.own = {"split_reduce": SplitReduce(collectives, False, Regions(), f"{tag}.split",
+                                                mismatch_hint=mismatch_hint, budget=budget),
+                    "allgather": SparseAllgather(collectives, False, name=f"{tag}.allgather")}
+        self.token = OpToken(process_set, mismatch_hint=mismatch_hint)
+
+    def before_gradient(self):
+        """Before a step counter is read: if the ranks' counters differ (a rank joined an elastic job),
+        every rank learns it here and clears them (``IndexPipeline``), so the leaders agree."""
+        if self.communication == "artopk":
+            self.index_sets.receive()
+
+    def flush(self):
+        """The step's gradients are all compressed: artopk's next index sets leave now."""
+        if self.communication == "artopk":
+            self.index_sets.flush()
+
+    def send(self, key, acc, k, finite, grad):
+        """(tensor for Horovod's allreduce, transport in flight or None, artopk's index set or None).
+        artopk zeroes the sent entries of ``acc`` at once: ``acc`` is then the candidate residual."""
+        if self.communication in self.own and k < acc.numel():
+            started = self.own[self.communication].start(key, acc, k, finite)
+            return self.token.make(key, grad), started, None
+        step = self.steps.get(key, 0)
+        self.steps[key] = step + 1
+        if self.communication != "artopk":
+            k = acc.numel()                   # dense: everything, through Horovod's allreduce
+        buf, indices, _ = self.artopk.pack(key, acc, k, finite, grad.reshape(-1), step, k)
+        if indices is not None:
+            acc.index_fill_(0, indices, 0)
+        return buf, None, indices
+
+    def receive(self, reduced, key, shape, started, indices, acc):
+        """(flat aggregate, or None if some rank was non-finite; candidate residual or None)."""
+        if started is None:
+            aggregate = ARTopk.unpack(reduced, indices, math.prod(shape), reduced.dtype)
+            return aggregate, None if indices is None else acc
+        average = self.token.average(reduced, key)       # raises, on every rank, before any value is used
+        outcome = started.finish()
+        if outcome.aggregate is not None and average:
+            outcome.aggregate.mul_(1.0 / self.process_set.size())
+        return outcome.aggregate, None if outcome.sent is None else acc.index_fill_(0, outcome.sent, 0)
+
+    def forget(self):
+        """An abandoned step (elastic reset): only an empty start is the same on every rank."""
+        self.index_sets.forget()
+        self.own["split_reduce"].forget()
+        self.steps.clear()
+
+    def state_dict(self):
+        return {"steps": dict(self.steps), "next_indices": self.index_sets.state_dict(),
+                "regions": self.own["split_reduce"].regions.state_dict()}
+
+    def load_state_dict(self, state):
+        self.steps = dict(state["steps"])
+        self.index_sets.load_state_dict(state["next_indices"])
+        self.own["split_reduce"].forget()
+        self.own["split_reduce"].regions.load_state_dict(state.get("regions"))
