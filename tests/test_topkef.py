@@ -208,3 +208,53 @@ def test_index_pipeline_shares_sets_at_flush_and_refuses_a_checkpoint_mid_step(h
     pipe.flush()
     assert torch.equal(pipe.state_dict()["w"].long(), topk_indices(acc, 5))
     assert torch.equal(pipe.current("w", acc, 5, leader=0), topk_indices(acc, 5))
+
+
+class _Ranks:
+    """A stand-in process set of ``size`` ranks, for reading reduced tokens in one process."""
+
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def reduced_token(tokens, op):
+    total = torch.stack(tokens).sum(0)
+    return total / len(tokens) if op == "average" else total
+
+
+@pytest.mark.parametrize("size", [2, 3, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_token_reads_horovods_op_and_accepts_agreeing_keys(size, dtype):
+    from hvd_topk.op_token import OpToken
+    like = torch.zeros(1, dtype=dtype)
+    tokens = [OpToken(_Ranks(size, r)).make("fc1.weight", like) for r in range(size)]
+    assert OpToken(_Ranks(size)).average(reduced_token(tokens, "average"), "fc1.weight") is True
+    assert OpToken(_Ranks(size)).average(reduced_token(tokens, "sum"), "fc1.weight") is False
+
+
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_token_refuses_ranks_that_keyed_a_gradient_differently(op):
+    from hvd_topk.op_token import OpToken, fingerprint
+    keys = [0, 1, 2, 3]                                   # positional keys: every rank another slot
+    assert len({fingerprint(k) for k in keys}) > 1
+    like = torch.zeros(1)
+    tokens = [OpToken(_Ranks(4, r)).make(keys[r], like) for r in range(4)]
+    for r in range(4):                                   # every rank decides the same from the same sum
+        with pytest.raises(ValueError, match="different keys"):
+            OpToken(_Ranks(4, r), mismatch_hint="use named_parameters").average(reduced_token(tokens, op), keys[r])
+
+
+def test_token_refuses_a_reduction_that_is_neither_sum_nor_average():
+    from hvd_topk.op_token import OpToken
+    like = torch.zeros(1)
+    tokens = [OpToken(_Ranks(2, r)).make("w", like) for r in range(2)]
+    adasum_like = torch.tensor([1.25, 0.75, 5.0, 25.0])   # Adasum of [1,1,..] and [1,0,..]-like vectors
+    with pytest.raises(ValueError, match="op=hvd.Average or hvd.Sum"):
+        OpToken(_Ranks(2)).average(adasum_like, "w")
+    assert OpToken(_Ranks(2)).average(reduced_token(tokens, "sum"), "w") is False
