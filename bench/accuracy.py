@@ -63,6 +63,8 @@ CONFIGS = {
                                           "--non-iid"],
     "SGD top-k 0.01, no correction, non-IID": ["--compression", "hvd_topk", "--ratio", "0.01",
                                                "--momentum-correction", "off", "--non-iid"],
+    "SGD top-k 0.01, no correction": ["--compression", "hvd_topk", "--ratio", "0.01", "--momentum-correction", "off"],
+    "SGD top-k 0.01, warm-up": ["--compression", "hvd_topk", "--ratio", "0.01", "--warmup-epochs", "4"],
     "SGD top-k 0.01, warm-up, non-IID": ["--compression", "hvd_topk", "--ratio", "0.01", "--warmup-epochs", "4",
                                          "--non-iid"],
     "SGD top-k 0.001, no correction": ["--compression", "hvd_topk", "--communication", "artopk",

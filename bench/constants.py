@@ -23,7 +23,9 @@ CYCLE_TIME_MS = "20"
 MODES = {
     "dense": ["--compression", "none"],
     "fp16": ["--compression", "fp16"],
-    "topkef": ["--compression", "topkef"],
+    "topkef": ["--compression", "topkef"],                 # TopKEF's default transport (split_reduce)
+    "topkef artopk": ["--compression", "topkef", "--communication", "artopk"],
+    "topkef allgather": ["--compression", "topkef", "--communication", "allgather"],
     "hvd_topk allgather": ["--compression", "hvd_topk", "--communication", "allgather"],
     "hvd_topk artopk": ["--compression", "hvd_topk", "--communication", "artopk"],
     "hvd_topk auto": ["--compression", "hvd_topk", "--communication", "auto"],
@@ -40,7 +42,7 @@ MODES = {
 }
 # Modes run only when named (--modes): not in the full grid's default, to keep its length.
 ON_REQUEST_MODES = ("topkef grouped", "hvd_topk artopk grouped", "hvd_topk allgather grouped",
-                    "hvd_topk split_reduce fp16")
+                    "hvd_topk split_reduce fp16", "topkef artopk", "topkef allgather")
 SPARSE_COMPRESSIONS = ("topkef", "hvd_topk")
 AUTO_MODE = "hvd_topk auto"
 # The transports auto chooses from, each fixed: auto's target is the fastest of them (of those that ran).

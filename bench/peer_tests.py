@@ -79,7 +79,9 @@ def run_one(args, test):
     except JobFailed as failed:
         output = failed.output
         outcome = "timeout" if time.monotonic() - t0 >= args.timeout - 1 else "failed"
-    return outcome, time.monotonic() - t0, [line for line in output.splitlines() if line.strip()][-3:]
+    lines = [line for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or " E " in line or line.endswith(" E")]
+    return outcome, time.monotonic() - t0, (errors or lines or ["(no output)"])[-1:]
 
 
 def main():
