@@ -117,9 +117,11 @@ def scheme_of(record):
     ``auto_split_reduce``): when they all use one, that is the scheme; a mix (the per-tensor plan is
     not in the record) gives None."""
     compression = record.get("compression")
-    if compression in ("none", "fp16", "topkef"):
-        return {"none": "dense", "fp16": "fp16", "topkef": "topkef"}[compression]
     comm = record.get("communication")
+    if compression == "topkef":           # stock Horovod: artopk shares its index sets its own way
+        return "topkef" if comm in ("artopk", None) else comm
+    if compression in ("none", "fp16"):
+        return {"none": "dense", "fp16": "fp16"}[compression]
     if comm == "auto":
         stats = record.get("hvd_topk_stats") or {}
         used = [t for t in TRANSPORTS if stats.get(f"auto_{t}")]

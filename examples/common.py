@@ -323,10 +323,8 @@ class RunLog:
 
 
 def _communication(args):
-    """The transport in use: hvd_topk's flag; TopKEF in stock Horovod is AR-Topk; else dense."""
-    if args.compression == "hvd_topk":
-        return args.communication
-    return "artopk" if args.compression == "topkef" else "dense"
+    """The transport in use: the flag for TopKEF and hvd_topk; else dense."""
+    return args.communication if args.compression in ("topkef", "hvd_topk") else "dense"
 
 
 def _jsonable(stats):

@@ -126,13 +126,20 @@ class StepCoordinator:
         return acc, started.finish
 
     def _finish(self, key, pending):
-        """(aggregate or None, sent indices or None) of a started transport; queues the new residual."""
+        """(aggregate or None, where the velocity is masked: None for nowhere) of a started transport;
+        queues the new residual (acc with the sent entries zeroed).
+
+        Momentum correction masks the velocity where this rank *selected*: for split_reduce that is
+        its whole nominated top-k, also the entries the owners did not keep. Those stay in the residual
+        (error feedback is exact), but their velocity restarts: under a global budget, unkept entries
+        would otherwise gather momentum on momentum for many steps and leave as one stale, oversized
+        update (measured under non-IID data: docs/results.md)."""
         acc, finish = pending
         out = finish()
         if out.aggregate is not None:
             residual = None if out.sent is None else acc.index_fill_(0, out.sent, 0)
             self.commits.append(lambda: self.residuals.update(key, residual))
-        return out.aggregate, out.sent
+        return out.aggregate, out.sent if out.selected is None else out.selected
 
     def _send_bucket(self, flat):
         return self._finish(GLOBAL_KEY, self._start(GLOBAL_KEY, flat))

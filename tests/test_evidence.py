@@ -70,6 +70,8 @@ def test_scheme_of_records():
     assert scheme_of({"compression": "none", "communication": "dense"}) == "dense"
     assert scheme_of({"compression": "fp16", "communication": "dense"}) == "fp16"
     assert scheme_of({"compression": "topkef", "communication": "artopk"}) == "topkef"
+    assert scheme_of({"compression": "topkef", "communication": "split_reduce"}) == "split_reduce"
+    assert scheme_of({"compression": "topkef", "communication": "allgather"}) == "allgather"
     assert scheme_of({"compression": "hvd_topk", "communication": "allgather"}) == "allgather"
     assert scheme_of({"compression": "hvd_topk", "communication": "split_reduce"}) == "split_reduce"
     assert scheme_of({"compression": "hvd_topk", "communication": "tree"}) is None

@@ -29,6 +29,8 @@ class Outcome(NamedTuple):
     """What a finished transport gives back (see the module docstring)."""
     aggregate: Optional[torch.Tensor]     # dense flat aggregate, or None: some rank was non-finite
     sent: Optional[torch.Tensor]          # indices of acc this rank sent; None: all of them
+    selected: Optional[torch.Tensor] = None   # split_reduce: this rank's nominated top-k (a superset
+                                          # of sent), where momentum correction masks; None: sent
 
 
 class Started(NamedTuple):

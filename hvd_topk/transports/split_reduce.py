@@ -208,5 +208,5 @@ class SplitReduce:
             self.stats.add_split(kept_indices.numel(), self.regions.largest_share(key, kept_indices),
                                  self.collectives.process_set.size(), nbytes)
         self.regions.observe(key, kept_indices)
-        return Outcome(aggregate, sel[kept[sel]])                   # this rank's entries that were kept
+        return Outcome(aggregate, sel[kept[sel]], sel)      # this rank's entries that were kept; its nominated
 
