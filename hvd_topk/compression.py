@@ -26,6 +26,8 @@ Sparse gradients (``nn.Embedding(sparse=True)``) that Horovod sends with its own
 (``sparse_as_dense=False``) pass through untouched; with ``sparse_as_dense=True`` Horovod hands
 ``compress`` the densified gradient, which is compressed like any other.
 """
+import contextlib
+import threading
 from typing import Hashable, NamedTuple, Optional
 
 import torch
@@ -70,6 +72,24 @@ class _ClassOrInstance:
 
     def __get__(self, obj, cls):
         return self._fn.__get__(cls.default() if obj is None else obj, cls)
+
+
+SHUTDOWN_GRACE_S = 15.0       # time the other ranks get to reach the same check and raise it themselves
+
+
+@contextlib.contextmanager
+def _ends_job_on_mismatch():
+    """A check of this rank's gradient sequence failed (ValueError). Where the other ranks fail the
+    same check, each raises it; a rank that does not may be waiting in a collective this rank will
+    never join. So Horovod is shut down SHUTDOWN_GRACE_S seconds after the error is raised: that
+    rank's collective then fails too, and the job ends instead of hanging."""
+    try:
+        yield
+    except ValueError:
+        timer = threading.Timer(SHUTDOWN_GRACE_S, mpi_ops.shutdown)
+        timer.daemon = True
+        timer.start()
+        raise
 
 
 class _PendingStep:
@@ -164,7 +184,8 @@ class TopKEF(Compressor):
     def compress(self, tensor):
         """Horovod contract: ``(tensor_to_allreduce, ctx)``: the token, ``[k values..., flag]`` or the
         gradient itself (module docstring)."""
-        out = self._compress(tensor)
+        with _ends_job_on_mismatch():
+            out = self._compress(tensor)
         if self.keys.step_complete():
             self.transports.flush()            # the step's last gradient
         return out
@@ -192,7 +213,8 @@ class TopKEF(Compressor):
         its last gradient is decompressed, and only if every gradient was finite on every rank."""
         if ctx is None or (ctx.dense and ctx.key is None):
             return tensor        # Horovod's sparse allreduce (ctx None), or non-floating: not of the step
-        self.keys.finish_one()
+        with _ends_job_on_mismatch():
+            self.keys.finish_one()
         if ctx.dense:
             out = tensor
             finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
