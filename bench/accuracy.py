@@ -27,6 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = {
     "SGD dense": ["--compression", "none"],
+    "SGD stock TopKEF 0.01, budget 2": ["--compression", "topkef", "--ratio", "0.01", "--budget", "2"],
+    "SGD stock TopKEF 0.01, budget 4": ["--compression", "topkef", "--ratio", "0.01", "--budget", "4"],
+    # 16 ranks at the 8-rank runs' global batch (8 per rank, so as many steps)
+    "SGD dense, batch 8": ["--compression", "none", "--batch-size", "8"],
+    "SGD stock TopKEF 0.01, batch 8": ["--compression", "topkef", "--ratio", "0.01", "--batch-size", "8"],
     "SGD top-k 0.01, no correction": ["--compression", "hvd_topk", "--communication", "artopk",
                                       "--ratio", "0.01", "--momentum-correction", "off"],
     "SGD top-k 0.01, correction": ["--compression", "hvd_topk", "--communication", "artopk", "--ratio", "0.01"],
@@ -63,6 +68,11 @@ CONFIGS = {
                                           "--non-iid"],
     "SGD top-k 0.01, no correction, non-IID": ["--compression", "hvd_topk", "--ratio", "0.01",
                                                "--momentum-correction", "off", "--non-iid"],
+    "SGD stock TopKEF 0.01, budget 2": ["--compression", "topkef", "--ratio", "0.01", "--budget", "2"],
+    "SGD stock TopKEF 0.01, budget 4": ["--compression", "topkef", "--ratio", "0.01", "--budget", "4"],
+    # 16 ranks at the 8-rank runs' global batch (8 per rank, so as many steps)
+    "SGD dense, batch 8": ["--compression", "none", "--batch-size", "8"],
+    "SGD stock TopKEF 0.01, batch 8": ["--compression", "topkef", "--ratio", "0.01", "--batch-size", "8"],
     "SGD top-k 0.01, no correction": ["--compression", "hvd_topk", "--ratio", "0.01", "--momentum-correction", "off"],
     "SGD top-k 0.01, warm-up": ["--compression", "hvd_topk", "--ratio", "0.01", "--warmup-epochs", "4"],
     "SGD top-k 0.01, warm-up, non-IID": ["--compression", "hvd_topk", "--ratio", "0.01", "--warmup-epochs", "4",
