@@ -133,7 +133,7 @@ class StepCoordinator:
         its whole nominated top-k, also the entries the owners did not keep. Those stay in the residual
         (error feedback is exact), but their velocity restarts: under a global budget, unkept entries
         would otherwise gather momentum on momentum for many steps and leave as one stale, oversized
-        update (measured under non-IID data: docs/results.md)."""
+        update (the effect measured at 8 ranks is within the seeds' spread: docs/results.md)."""
         acc, finish = pending
         out = finish()
         if out.aggregate is not None:
