@@ -82,10 +82,12 @@ def _ends_job_on_mismatch():
     """A check of this rank's gradient sequence failed (ValueError). Where the other ranks fail the
     same check, each raises it; a rank that does not may be waiting in a collective this rank will
     never join. So Horovod is shut down SHUTDOWN_GRACE_S seconds after the error is raised: that
-    rank's collective then fails too, and the job ends instead of hanging."""
+    rank's collective then fails too, and the job ends instead of hanging. (Alone, no rank waits.)"""
     try:
         yield
     except ValueError:
+        if mpi_ops.size() == 1:
+            raise
         timer = threading.Timer(SHUTDOWN_GRACE_S, mpi_ops.shutdown)
         timer.daemon = True
         timer.start()
