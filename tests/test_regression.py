@@ -5,7 +5,8 @@ trains 30 steps on 2 ranks and must end with parameters bit-identical to a refer
 
 The references were recorded from the core as it was before its redesign into transport classes (commit
 5f2b8d7), with torch 2.13.0 (CPU build) on one thread; the one entry changed on purpose since is named,
-with the reason, under "changes" in the file. CPUs whose kernels round differently (AVX2 or AVX-512
+with the reason, under "changes" in the file. The stock configurations name TopKEF's
+``communication='artopk'``, its transport when they were recorded (split_reduce is the default now). CPUs whose kernels round differently (AVX2 or AVX-512
 code paths in torch and MKL) give other bits from the first step on, so the file holds one reference
 per kind of CPU it was recorded on, and a run must match every configuration of one of them: a change
 to the core would have to reproduce another CPU's rounding in all 19 to pass. On a new kind of CPU,

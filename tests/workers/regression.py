@@ -60,8 +60,8 @@ def train(kind, options):
     ratio = options.pop("ratio", 0.05)
     options.setdefault("communication", "artopk")   # the default when the reference was recorded
     if kind == "stock":
-        options.pop("communication")
-        compression = hvd_topk.TopKEF(ratio=ratio, min_numel=64, sync_indices=options.pop("sync_indices", False))
+        compression = hvd_topk.TopKEF(ratio=ratio, min_numel=64, sync_indices=options.pop("sync_indices", False),
+                                      communication=options.pop("communication"))
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        op=op, backward_passes_per_step=passes)
     else:
