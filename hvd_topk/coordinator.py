@@ -126,14 +126,9 @@ class StepCoordinator:
         return acc, started.finish
 
     def _finish(self, key, pending):
-        """(aggregate or None, where the velocity is masked: None for nowhere) of a started transport;
-        queues the new residual (acc with the sent entries zeroed).
-
-        Momentum correction masks the velocity where this rank *selected*: for split_reduce that is
-        its whole nominated top-k, also the entries the owners did not keep. Those stay in the residual
-        (error feedback is exact), but their velocity restarts: under a global budget, unkept entries
-        would otherwise gather momentum on momentum for many steps and leave as one stale, oversized
-        update (the effect measured at 8 ranks is within the seeds' spread: docs/results.md)."""
+        """(aggregate or None, where the velocity is masked) of a started transport; queues the new
+        residual. The mask is what this rank selected: for split_reduce its whole nominated top-k, so
+        unkept entries stop gathering momentum on momentum (design.md, "DGC momentum correction")."""
         acc, finish = pending
         out = finish()
         if out.aggregate is not None:
