@@ -140,12 +140,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     if num_groups:
         warnings.warn("num_groups has been replaced by groups in Horovod", DeprecationWarning)
         groups = num_groups if groups is None else groups
-    if communication is None:               # the TopKEF's (a non-TopKEF compression is refused below)
-        given = compression.default() if isinstance(compression, type) and issubclass(compression, TopKEF) \
-            else compression
-        communication = getattr(given, "communication", "split_reduce")
-    compression, momentum_correction, tuner = _checked(**{k: v for k, v in locals().items()
-                                                          if k not in ("named_parameters", "num_groups", "given")})
+    compression, communication, momentum_correction, tuner = _checked(
+        **{k: v for k, v in locals().items() if k not in ("named_parameters", "num_groups")})
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
     config = StepConfig(communication=communication, selection=selection, compress=compress,
@@ -196,8 +192,13 @@ def _checked(*, optimizer, compression, backward_passes_per_step, op, gradient_p
              sparse_as_dense, process_set, momentum_correction, warmup_steps, warmup_epochs, clip_grad_norm,
              communication, leader, value_dtype, grad_scaler, selection, adaptive_ratio, adaptive_weight, auto_every,
              dense_steps, compress, local_momentum):
-    """ValueError naming the first bad argument; else (TopKEF instance, momentum correction on/off, the
-    AutoTuner or None)."""
+    """ValueError naming the first bad argument; else (TopKEF instance, communication (None: the
+    TopKEF's), momentum correction on/off, the AutoTuner or None)."""
+    if isinstance(compression, type) and issubclass(compression, TopKEF):
+        compression = compression.default()
+    if not isinstance(compression, TopKEF):
+        raise ValueError(f"compression must be TopKEF or a TopKEF instance, got {compression!r}")
+    communication = compression.communication if communication is None else communication
     check_choice("communication", communication, COMMUNICATIONS)
     check_choice("compress", compress, COMPRESSES)
     check_choice("selection", selection, SELECTIONS)
@@ -231,10 +232,6 @@ def _checked(*, optimizer, compression, backward_passes_per_step, op, gradient_p
                          f"hvd.add_process_set, got {process_set!r}")
     if value_dtype is not None and not (isinstance(value_dtype, torch.dtype) and value_dtype.is_floating_point):
         raise ValueError(f"value_dtype must be a floating torch dtype or None, got {value_dtype!r}")
-    if isinstance(compression, type) and issubclass(compression, TopKEF):
-        compression = compression.default()
-    if not isinstance(compression, TopKEF):
-        raise ValueError(f"compression must be TopKEF or a TopKEF instance, got {compression!r}")
     ratios = _adaptive_ratios(adaptive_ratio, compression.ratio, communication)
     check_number("adaptive_weight", adaptive_weight, low=0)
     check_int("auto_every", auto_every, low=2)
@@ -254,7 +251,7 @@ def _checked(*, optimizer, compression, backward_passes_per_step, op, gradient_p
         raise ValueError("momentum_correction=True needs an optimizer with momentum > 0: torch.optim.SGD "
                          f"or a subclass (got {type(optimizer).__name__} without SGD's momentum)")
     _check_groups(groups, optimizer)
-    return compression, bool(momentum_correction), tuner
+    return compression, communication, bool(momentum_correction), tuner
 
 
 # -- methods of the dynamic class (Horovod's style: super(self.__class__, self)) ---------------------
