@@ -53,13 +53,13 @@ def auto_warmup_steps():
     """Steps before auto's step times are representative, from AutoTuner's own defaults.
 
     auto probes the link after its first step (2 steps), then its plans take turns of ``trial_steps``
-    steps: the model's plan and at most one uniform plan per transport (``hvd_topk.plans.TRANSPORTS``:
+    steps: the model's plan and at most one uniform plan per transport (``hvd_topk.auto.plans.TRANSPORTS``:
     all dense, all artopk, ...), for ``trial_rounds`` counted rounds after one uncounted round. A
     longer trial is skipped as well, from the run's own decision history
     (``bench.linkbytes.settled_step``).
     """
     from hvd_topk.auto import AutoTuner
-    from hvd_topk.plans import TRANSPORTS
+    from hvd_topk.auto.plans import TRANSPORTS
 
     defaults = inspect.signature(AutoTuner).parameters
     plans = 1 + len(TRANSPORTS)

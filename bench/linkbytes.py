@@ -6,8 +6,8 @@ steps (after the warm-up and auto's trial) and set against the payload the schem
 """
 import statistics
 
-from hvd_topk.costmodel import HIST_BYTES
-from hvd_topk.plans import TRANSPORTS
+from hvd_topk.auto.costmodel import HIST_BYTES
+from hvd_topk.auto.plans import TRANSPORTS
 from hvd_topk.sparsify import k_for
 
 SCHEMES = ("dense", "fp16", "topkef", "artopk", "allgather", "split_reduce")

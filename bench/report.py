@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 
-from hvd_topk.plans import TRANSPORTS
+from hvd_topk.auto.plans import TRANSPORTS
 
 from bench.constants import AUTO_MODE, BANDWIDTHS
 from bench.grid import EXAMPLES, is_sparse, mode_warmup

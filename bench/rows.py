@@ -6,7 +6,7 @@ import statistics
 from bench.constants import AUTO_MODE
 from bench.grid import EXAMPLES
 from bench.linkbytes import measure, scheme_of, theoretical_bytes
-from hvd_topk.plans import TRANSPORTS
+from hvd_topk.auto.plans import TRANSPORTS
 
 def steps_row(row, record, o, cp):
     """Fill a steps-part row with the measured and theoretical figures."""

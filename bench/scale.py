@@ -1,4 +1,4 @@
-"""Which collective wins where, from the alpha-beta cost model alone (hvd_topk.costmodel; no jobs run).
+"""Which collective wins where, from the alpha-beta cost model alone (hvd_topk.auto.costmodel; no jobs run).
 
 Modelled communication time of one gradient message (default 100 MB: 25M fp32 parameters) for the
 dense ring and tree allreduce, the Top-K allgather (values + int32 indices), AR-Topk over ring and
@@ -31,7 +31,7 @@ import os
 import numpy as np
 
 from bench.infra.manifest import write_manifest
-from hvd_topk import costmodel
+from hvd_topk.auto import costmodel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = [2 ** i for i in range(3, 11)]                          # 8 .. 1024

@@ -34,16 +34,13 @@ import torch
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
+from .arguments import STOCK_COMMUNICATIONS, check_topkef
 from .compressor_transports import CompressorTransports
 from .gradient_keys import ParameterKeys, SlotSequence
-from .memory import ResidualMemory
+from .memory import ResidualMemory, StepCommits
 from .sparsify import k_for, sq_norm_finite
-from .validate import check_choice, check_int, check_number
 
 __all__ = ["TopKEF", "STOCK_COMMUNICATIONS"]
-
-STOCK_COMMUNICATIONS = ("split_reduce", "allgather", "artopk", "dense")
-
 
 _MISMATCH_HINT = ("without named_parameters TopKEF matches gradients by their position in the step, and the "
                   "ranks' orders differ (a parameter unused on some rank, two optimizers, a changed model); "
@@ -94,14 +91,13 @@ def _ends_job_on_mismatch():
         raise
 
 
-class _PendingStep:
-    """One Horovod step's candidates: the new residuals are committed at its end only if every gradient
-    was finite on every rank; otherwise every gradient of the step is handed out all NaN."""
+class _PendingStep(StepCommits):
+    """One Horovod step's new residuals (``StepCommits``); if some gradient was non-finite on some rank,
+    every gradient of the step is handed out all NaN."""
 
     def __init__(self):
-        self.commits = []                     # (key, residual)
+        super().__init__()
         self.outputs = []                     # the step's decompressed gradients, as handed to Horovod
-        self.nonfinite = False                # some gradient of this step was non-finite somewhere
 
     def hand_out(self, out, finite, like, shape):
         if not finite and not self.nonfinite:
@@ -112,12 +108,6 @@ class _PendingStep:
             out = torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
         self.outputs.append(out)
         return out
-
-    def commit(self, memory):
-        if not self.nonfinite:
-            for key, residual in self.commits:
-                memory.update(key, residual)
-        self.__init__()
 
 
 class TopKEF(Compressor):
@@ -133,17 +123,15 @@ class TopKEF(Compressor):
         communication: the transport (module docstring): ``'split_reduce'`` (default: every rank's own
             top-k, the global top-k of the sums kept), ``'allgather'`` (every rank's own top-k, all
             kept), ``'artopk'`` (one leader's index set) or ``'dense'``.
-        sync_indices: artopk only: share the current step's index set with a blocking broadcast
-            inside compress, instead of the default: one step stale, one asynchronous allgather of
-            every set per step.
+        sync_indices: artopk only: share the current step's index set by a blocking broadcast in
+            compress, instead of one step stale (one asynchronous allgather of every set per step).
         named_parameters: ``model.named_parameters()``, as given to the optimizer: residuals and the
             transports' state are then keyed by parameter name, whatever order Horovod compresses in.
             Without it they are keyed by position in the step, which must then be the same every step
             and on every rank (if the ranks' orders differ, every rank raises, naming this argument).
         process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
-        budget: split_reduce keeps the largest ``budget * k`` of the summed entries (>= 1): room for
-            the ranks' own top-k entries where their sets disagree (non-IID data), at budget * k rows
-            gathered by every rank. ``hvd_topk.DistributedOptimizer`` reads it from here too.
+        budget: split_reduce keeps the largest ``budget * k`` summed entries (>= 1): room where the ranks'
+            top-k sets disagree (non-IID data). ``hvd_topk.DistributedOptimizer`` reads it here too.
 
     Example:
         >>> import horovod.torch as hvd, torch
@@ -161,18 +149,15 @@ class TopKEF(Compressor):
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
                  process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0):
-        self.ratio = check_number("ratio", ratio, low=0, high=1, low_open=True, what="(fraction of elements kept)")
-        self.min_numel = check_int("min_numel", min_numel)
-        self.communication = check_choice("communication", communication, STOCK_COMMUNICATIONS)
-        self.budget = check_number("budget", budget, low=1, what="(multiple of k kept by split_reduce)")
-        self.sync_indices = bool(sync_indices)
+        self.ratio, self.min_numel, self.communication, self.budget = check_topkef(ratio, min_numel,
+                                                                                   communication, budget)
         # state, per rank
         self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
         self.memory = ResidualMemory()        # key -> residual
         self._step = _PendingStep()           # this step's candidates
         self.transports = CompressorTransports(f"hvd_topk.TopKEF{TopKEF._instances}", self.communication,
                                                self.keys.key_index, process_set, _MISMATCH_HINT if named_parameters
-                                               is None else "", sync_indices, self.budget)
+                                               is None else "", bool(sync_indices), self.budget)
         TopKEF._instances += 1
 
     @classmethod
@@ -225,11 +210,11 @@ class TopKEF(Compressor):
             finite = out is not None
             if finite:
                 out = out.reshape(ctx.shape)
-            self._step.commits.append((ctx.key, residual))
+            self._step.add(lambda key=ctx.key, residual=residual: self.memory.update(key, residual))
         out = self._step.hand_out(out, finite, tensor, ctx.shape)
         if self.keys.pending == 0:             # Horovod compresses all before it decompresses any
             self.transports.flush()            # unless the last compress did (not in the first step)
-            self._step.commit(self.memory)
+            self._step.end()
         return out
 
     # -- checkpoints -------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ import math
 
 from horovod.torch import mpi_ops
 
-from .comm import Collectives
-from .index_sets import IndexPipeline
-from .leaders import StarLeaders
 from .op_token import OpToken
-from .regions import Regions
 from .transports import ARTopk, SparseAllgather, SplitReduce
+from .transports.collectives import Collectives
+from .transports.index_sets import IndexPipeline
+from .transports.leaders import StarLeaders
+from .transports.regions import Regions
 
 __all__ = ["CompressorTransports"]
 
@@ -94,8 +94,9 @@ class CompressorTransports:
 
     def forget(self):
         """An abandoned step (elastic reset): only an empty start is the same on every rank."""
-        self.index_sets.forget()
-        self.own["split_reduce"].forget()
+        self.artopk.forget()
+        for transport in self.own.values():
+            transport.forget()
         self.steps.clear()
 
     def state_dict(self):

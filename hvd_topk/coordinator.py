@@ -20,6 +20,7 @@ import torch
 
 from .bucket import GLOBAL_KEY
 from .dgc import clip_local
+from .memory import StepCommits
 from .sparsify import sq_norm_finite
 
 __all__ = ["StepConfig", "StepUnits", "StepCoordinator"]
@@ -59,9 +60,8 @@ class StepCoordinator:
         self.clock = time.perf_counter        # the tuner's step clock (tests give ranks other clocks)
         self.sparse_numels = {}               # key -> numel of every compressed tensor (or the bucket)
         self.step = 0                         # synchronized steps, identical on all ranks
-        self.commits = []                     # state updates of this step, applied if it is finite
+        self.commits = StepCommits()          # state updates of this step, applied if it is finite
         self.sent_keys = set()                # sparse keys submitted this step (layer-wise selection)
-        self.nonfinite = False                # some gradient of this step was non-finite somewhere
         self.last_end = None                  # clock() at the end of the previous step
 
     # what the tuner reads (``AutoTuner.end_step``)
@@ -103,12 +103,10 @@ class StepCoordinator:
         t0 = time.perf_counter()
         n = g.numel()
         k, k_next = self.schedule.k(n, self.step), self.schedule.k(n, self.step + 1)
-        mode = self.communication
+        mode = self.communication if self.tuner is None else self.tuner.mode(key, self.communication)
         gains = self.tuner is not None and self.tuner.wants_gains(self.step)
-        if self.tuner is not None:
-            mode = self.tuner.mode(key, mode)
-            if mode == "dense":               # everything: the residual is flushed
-                k = n
+        if mode == "dense":                   # auto's dense plan: everything, the residual is flushed
+            k = n
         if k == n and not gains:              # density 1 (dense steps, ratio 1.0, auto's dense plan)
             acc = self.residuals.compensate(key, g, copy=False)
             started = self.transports["dense"].start(key, acc)
@@ -133,18 +131,18 @@ class StepCoordinator:
         out = finish()
         if out.aggregate is not None:
             residual = None if out.sent is None else acc.index_fill_(0, out.sent, 0)
-            self.commits.append(lambda: self.residuals.update(key, residual))
+            self.commits.add(lambda: self.residuals.update(key, residual))
         return out.aggregate, out.sent if out.selected is None else out.selected
 
-    def _send_bucket(self, flat):
+    def _send_bucket(self, flat):              # the global bucket's one tensor, at synchronize()
         return self._finish(GLOBAL_KEY, self._start(GLOBAL_KEY, flat))
 
     def hand_out(self, name, p, aggregate, sent, u_new):
         """The aggregate as p's gradient (NaN everywhere if some rank was non-finite); queues the velocity."""
         if aggregate is None:
-            self.nonfinite = True             # the whole step is skipped (end_step)
+            self.commits.nonfinite = True     # the whole step is skipped (end_step)
             return torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
-        self.commits.append(lambda: self.momentum.commit(name, u_new, sent))
+        self.commits.add(lambda: self.momentum.commit(name, u_new, sent))
         out = aggregate.to(p.dtype)
         if self.grad_scaler is not None:      # hand the scaler gradients in its scaled units
             out = out * self.grad_scaler.get_scale()
@@ -156,12 +154,7 @@ class StepCoordinator:
         self.index_sets.flush()               # the index sets, unless shared at the last submit
         self.sent_keys = set()
         self.collectives.end_step()
-        nonfinite = self.nonfinite
-        if not nonfinite:
-            for commit in self.commits:
-                commit()
-        self.commits, self.nonfinite = [], False
-        self.stats.skipped = nonfinite
+        self.stats.skipped = nonfinite = self.commits.end()
         self.stats.end_step(density=self.schedule.density(self.step), comm_s=comm_s)
         now = self.clock()
         # from the last dense step on (the probe then plans for the density that follows)

@@ -27,6 +27,7 @@ from horovod.torch.functions import broadcast_object, broadcast_optimizer_state
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from .checkpoint import STATE_KEY, load_coordinator_state
+from .memory import StepCommits
 
 __all__ = ["ElasticOptimizer", "TopKStateHandler", "register"]
 
@@ -60,11 +61,10 @@ class TopKStateHandler(elastic_state.OptimizerStateHandler):
 
 def forget_ranks(c):
     """Drop what the coordinator ``c`` shared with the old set of ranks (identically on every rank)."""
-    c.index_sets.forget()
-    c.leaders.forget()
-    c.transports["split_reduce"].forget()
+    for transport in c.transports.values():
+        transport.forget()
     c.last_end = None                     # the tuner's step clock restarts: a reset is not a step
-    c.commits, c.nonfinite, c.sent_keys = [], False, set()
+    c.commits, c.sent_keys = StepCommits(), set()
 
 
 def register():

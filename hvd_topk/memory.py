@@ -10,7 +10,7 @@ never averaged, broadcast or dropped; a skipped (non-finite) step leaves them un
 """
 from .sparsify import sq_norm_finite
 
-__all__ = ["ResidualMemory"]
+__all__ = ["ResidualMemory", "StepCommits"]
 
 
 class ResidualMemory:
@@ -41,3 +41,24 @@ class ResidualMemory:
 
     def load_state_dict(self, state):
         self.residuals = {key: (None if r is None else r.clone()) for key, r in state.items()}
+
+
+class StepCommits:
+    """One step's state updates (new residuals, velocities), applied at its end only if every gradient
+    of the step was finite on every rank: a non-finite step commits nothing, on every rank."""
+
+    def __init__(self):
+        self.updates = []                     # callables, applied in order at end()
+        self.nonfinite = False                # some gradient of this step was non-finite somewhere
+
+    def add(self, update):
+        self.updates.append(update)
+
+    def end(self):
+        """Apply the updates unless the step was non-finite; start afresh. Returns whether it was."""
+        nonfinite = self.nonfinite
+        if not nonfinite:
+            for update in self.updates:
+                update()
+        self.__init__()
+        return nonfinite

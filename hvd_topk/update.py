@@ -31,7 +31,7 @@ def update_step(opt, closure):
               if not bool(torch.isfinite(q.grad.coalesce().values() if q.grad.is_sparse else q.grad).all()))
     if mpi_ops.allreduce(torch.tensor([float(bad)]), name="hvd_topk.update.finite", op=Sum,
                          process_set=opt.process_set).item() > 0:
-        state.nonfinite = True
+        state.commits.nonfinite = True
         state.end_step(comm_s=time.perf_counter() - t0)
         warnings.warn("hvd_topk: a gradient was non-finite on some rank; the step is skipped on every "
                       "rank; the optimizer's state and the residuals are unchanged")

@@ -12,9 +12,10 @@ import torch.nn as nn
 
 import hvd_topk
 from hvd_topk import TopKEF
-from hvd_topk import recheck, trial as trials
-from hvd_topk.auto import (TRANSPORTS, AutoTuner, Costs, choose_ratio, plan_seconds, plan_transports, tensor_seconds,
-                           trial_plans)
+from hvd_topk.auto import recheck, trial as trials
+from hvd_topk.auto.plans import TRANSPORTS, Costs, plan_seconds, plan_transports, tensor_seconds, trial_plans
+from hvd_topk.auto.recheck import choose_ratio
+from hvd_topk.auto.tuner import AutoTuner
 from hvd_topk.sparsify import topk_energies
 
 from conftest import assert_identical_across_ranks, job
@@ -194,7 +195,7 @@ def test_drift_reprobes_only_when_two_checks_in_a_row_drift_the_same_way(hvd):
 
 
 def test_reprobe_without_a_bandwidth_term_keeps_the_last_fit(hvd):
-    from hvd_topk.probe import ProbeResult
+    from hvd_topk.auto.probe import ProbeResult
 
     class State:
         sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
@@ -238,7 +239,7 @@ def test_choose_ratio_objective_and_hysteresis():
 # -- the pure decisions, without Horovod ----------------------------------------------------------
 
 def test_decision_modules_import_neither_horovod_nor_torch():
-    code = ("import sys, hvd_topk.plans, hvd_topk.trial, hvd_topk.recheck; "
+    code = ("import sys, hvd_topk.auto.plans, hvd_topk.auto.trial, hvd_topk.auto.recheck; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('horovod', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from hvd_topk.costmodel import COLLECTIVES, HIST_BYTES, choose, crossover_density, predict
+from hvd_topk.auto.costmodel import COLLECTIVES, HIST_BYTES, choose, crossover_density, predict
 
 GBIT = 8 / 1e9        # beta of a 1 Gbit/s link, s/byte
 

@@ -134,7 +134,7 @@ def test_auto_warmup_follows_the_autotuner_defaults():
     import inspect
 
     from hvd_topk.auto import AutoTuner
-    from hvd_topk.plans import TRANSPORTS
+    from hvd_topk.auto.plans import TRANSPORTS
     defaults = inspect.signature(AutoTuner).parameters
     # the probe (2 steps), then the model's plan and one uniform plan per transport in turns of trial_steps,
     # for trial_rounds counted rounds + 1 uncounted

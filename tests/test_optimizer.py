@@ -64,7 +64,7 @@ def test_groups_refuse_a_parameter_twice_and_map_to_keys(hvd):
 
 
 def test_collectives_start_a_group_once_every_key_is_in(hvd):
-    from hvd_topk.comm import Collectives
+    from hvd_topk.transports.collectives import Collectives
     c = Collectives("t.groups", [["a", "b"], ["c", "d"]])
     x = {k: torch.full((3,), float(i + 1)) for i, k in enumerate("abcde")}
     wait_b = c.allreduce("b", x["b"], "t.b", hvd.Sum)

@@ -8,7 +8,7 @@ other transports.
 import pytest
 import torch
 
-from hvd_topk.regions import Regions
+from hvd_topk.transports.regions import Regions
 from hvd_topk.transports.split_reduce import from_rows, to_rows
 
 
@@ -130,6 +130,7 @@ def test_grouped_float16_and_global_jobs_agree_on_every_rank(run_ranks, np, extr
 
 
 def test_the_cost_model_counts_the_histogram_the_transport_sends():
-    from hvd_topk import costmodel
-    from hvd_topk.transports.split_reduce import HIST_BINS
-    assert costmodel.HIST_BYTES == (HIST_BINS + 2) * 4    # 128 bins + the outside-region and size-mismatch counts, int32
+    from hvd_topk.auto import costmodel
+    from hvd_topk.transports.split_reduce import HIST_BINS, histogram_row
+    row = histogram_row(torch.zeros(HIST_BINS, dtype=torch.long), outside=0, other_sizes=0)
+    assert row.numel() * row.element_size() == costmodel.HIST_BYTES == 520

@@ -196,7 +196,7 @@ def test_state_dict_roundtrip_continues_identically(hvd, communication):
 
 
 def test_index_pipeline_shares_sets_at_flush_and_refuses_a_checkpoint_mid_step(hvd):
-    from hvd_topk.index_sets import IndexPipeline
+    from hvd_topk.transports.index_sets import IndexPipeline
     from hvd_topk.sparsify import topk_indices
     pipe = IndexPipeline("test.pipe")
     acc = torch.randn(100)

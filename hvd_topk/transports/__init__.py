@@ -1,46 +1,22 @@
 """Transports: how one rank's flat accumulator becomes the same aggregate on every rank.
 
-Every transport has one two-phase interface, so the step coordinator (and, for AR-Topk, ``TopKEF``)
-treats them alike::
+The contract (``Transport``, ``Started``, ``Outcome``) and its invariants are in ``base.py``. One file
+per transport, each with what only it uses beside it:
 
-    started = transport.start(key, acc, k, finite, ...)   # select, pack, start the collective
-    out = started.finish()                                 # wait: Outcome(aggregate, sent)
-
-``out.aggregate`` is the dense flat aggregate (averaged or summed as Horovod's ``op`` says), identical on
-every rank, or None when some rank's accumulator was non-finite (every rank learns it from the same
-sum, so every rank skips the step). ``out.sent`` holds the indices of ``acc`` that left this rank (None:
-all of them); the caller zeroes them in the residual, which keeps error feedback exact:
-Σ sent + residual = Σ grad, per rank.
-
+- ``Dense`` (dense.py): a plain allreduce of everything, as stock Horovod sends it.
 - ``ARTopk`` (artopk.py): one leader's index set, shared by all ranks; the k values are allreduced.
+  Its leaders (leaders.py) and its shared index sets (index_sets.py).
 - ``SparseAllgather`` (allgather.py): every rank's own top-k, as (values, int32 indices); scatter-add.
 - ``SplitReduce`` (split_reduce.py): every rank's own top-k, summed per index region by its owner; the
-  global top-k of the sums is allgathered (Ok-Topk). Bytes flat in the number of ranks.
-- ``Dense`` (dense.py): a plain allreduce of everything, as stock Horovod sends it.
+  global top-k of the sums is allgathered (Ok-Topk). Bytes flat in the number of ranks. Its regions
+  (regions.py).
+- collectives.py: what they share on top of Horovod's public collectives (grouping, flags, agreement).
 """
-from typing import Callable, NamedTuple, Optional
+from .base import Outcome, Started, Transport
+from .allgather import SparseAllgather
+from .artopk import ARTopk
+from .dense import Dense
+from .split_reduce import SplitReduce
 
-import torch
+__all__ = ["Transport", "Started", "Outcome", "ARTopk", "SparseAllgather", "SplitReduce", "Dense"]
 
-__all__ = ["Started", "Outcome", "ARTopk", "SparseAllgather", "SplitReduce", "Dense"]
-
-
-class Outcome(NamedTuple):
-    """What a finished transport gives back (see the module docstring)."""
-    aggregate: Optional[torch.Tensor]     # dense flat aggregate, or None: some rank was non-finite
-    sent: Optional[torch.Tensor]          # indices of acc this rank sent; None: all of them
-    selected: Optional[torch.Tensor] = None   # split_reduce: this rank's nominated top-k (a superset
-                                          # of sent), where momentum correction masks; None: sent
-
-
-class Started(NamedTuple):
-    """A transport in flight."""
-    nbytes: int                           # payload handed to the collectives by this rank
-    sent_sq: float                        # squared norm of the values sent (compression gain)
-    finish: Callable[[], Outcome]         # waits for the collective
-
-
-from .allgather import SparseAllgather  # noqa: E402  (they import Started and Outcome from here)
-from .artopk import ARTopk  # noqa: E402
-from .dense import Dense  # noqa: E402
-from .split_reduce import SplitReduce  # noqa: E402

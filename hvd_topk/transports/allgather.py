@@ -7,13 +7,13 @@ grow with the number of ranks: it receives (P - 1) * k pairs.
 """
 import torch
 
-from ..comm import finite_flag, flag_raised
+from .collectives import finite_flag, flag_raised
 from ..sparsify import sq_norm_finite, topk_indices
-from . import Outcome, Started
+from ..wire import INDEX_BYTES
+from .base import Outcome, Started
 
 __all__ = ["SparseAllgather"]
 
-INDEX_BYTES = 4                           # int32 indices on the wire: half the bytes of int64
 
 
 class SparseAllgather:
@@ -28,6 +28,9 @@ class SparseAllgather:
 
     def __init__(self, collectives, average, value_dtype=None, name="hvd_topk.allgather"):
         self.collectives, self.average, self.value_dtype, self.name = collectives, average, value_dtype, name
+
+    def forget(self):
+        """Nothing outlives a step."""
 
     def start(self, key, acc, k, finite, grad=None, step=None, k_next=None):
         n = acc.numel()

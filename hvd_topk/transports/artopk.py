@@ -2,7 +2,7 @@
 
 Why it is correct: every rank gathers its own accumulator at the *same* k indices, so the k-value
 vectors line up and Horovod's allreduce sums them exactly as it would sum dense gradients. The set is
-picked by a leader (``hvd_topk.leaders``) and shared by ``IndexPipeline`` (one step stale by default).
+picked by a leader (``hvd_topk.transports.leaders``) and shared by ``IndexPipeline`` (one step stale by default).
 A finite flag rides as element k: its sum tells every rank whether some rank was non-finite.
 
 Used by the optimizer (``start``) and, through ``pack``/``unpack``, by ``TopKEF``, whose allreduce is
@@ -10,9 +10,9 @@ Horovod's own.
 """
 import torch
 
-from ..comm import finite_flag, flag_raised
+from .collectives import finite_flag, flag_raised
 from ..sparsify import scatter_dense, sq_norm_finite
-from . import Outcome, Started
+from .base import Outcome, Started
 
 __all__ = ["ARTopk"]
 
@@ -31,6 +31,11 @@ class ARTopk:
     def __init__(self, index_sets, leaders, collectives=None, reduction=None, value_dtype=None):
         self.index_sets, self.leaders = index_sets, leaders
         self.collectives, self.reduction, self.value_dtype = collectives, reduction, value_dtype
+
+    def forget(self):
+        """The next step's index sets in flight and the leaders' scores were shared with the old ranks."""
+        self.index_sets.forget()
+        self.leaders.forget()
 
     def pack(self, key, acc, k, finite, grad, step, k_next):
         """(buffer, indices, values): ``[values at the shared set..., flag]`` in the wire dtype, the set

@@ -6,7 +6,7 @@ sending, and no flag is appended: a non-finite rank shows in the sum, read after
 ranks). Everything is sent, so the residual is flushed (``sent`` None).
 """
 from ..sparsify import sq_norm_finite
-from . import Outcome, Started
+from .base import Outcome, Started
 
 __all__ = ["Dense"]
 
@@ -23,6 +23,9 @@ class Dense:
 
     def __init__(self, collectives, reduction, value_dtype=None, name="values"):
         self.collectives, self.reduction, self.value_dtype, self.name = collectives, reduction, value_dtype, name
+
+    def forget(self):
+        """Nothing outlives a step."""
 
     def start(self, key, acc, k=None, finite=None, grad=None, step=None, k_next=None):
         vdtype = self.value_dtype or acc.dtype

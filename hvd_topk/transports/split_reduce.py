@@ -1,7 +1,7 @@
 """Split-and-reduce: Ok-Topk's sparse allreduce (Li & Hoefler, PPoPP'22) on Horovod's alltoall and allgather.
 
 1. Every rank takes the top-k of its accumulator and sends each entry as a row (value, int32 index) to
-   the owner of the index's region (``hvd_topk.regions``), all in one alltoall, started at once. With
+   the owner of the index's region (``hvd_topk.transports.regions``), all in one alltoall, started at once. With
    them goes one row per owner holding the rank's largest |value|, or inf if its accumulator is not
    finite: every owner learns every rank's, so every rank takes the same skip decision and the same
    histogram scale.
@@ -28,15 +28,15 @@ import math
 import torch
 from horovod.torch import mpi_ops
 
-from ..regions import Regions
+from .regions import Regions
 from ..sparsify import sq_norm_finite, topk_indices
-from . import Outcome, Started
+from ..wire import HIST_BINS, HIST_BYTES, INDEX_BYTES
+from .base import Outcome, Started
 
-__all__ = ["SplitReduce", "HIST_BINS", "magnitude_bins", "owners_share"]
+__all__ = ["SplitReduce", "HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "senders_rows",
+           "rows_for_owners"]
 
 BINS_PER_OCTAVE = 4                    # magnitude resolution of the histogram: bins 2**(1/4) wide
-HIST_BINS = 128                        # 32 octaves below the largest possible sum; smaller go in the last
-INDEX_BYTES = 4                        # int32 indices
 
 
 def to_rows(values, indices):
@@ -59,6 +59,34 @@ def magnitude_bins(sums, largest):
     top = math.log2(float(largest.max()) * largest.numel()) if float(largest.max()) > 0 else 0.0
     bins = ((top - torch.log2(sums.abs().to(torch.float64))) * BINS_PER_OCTAVE).floor()
     return bins.nan_to_num(HIST_BINS - 1).clamp(0, HIST_BINS - 1).long()
+
+
+def rows_for_owners(values, sel, largest, bounds, n):
+    """Step 1's alltoall input: (rows, int32 rows per owner). Every owner gets this sender's flag row
+    (``largest`` at index n) first, then its entries, in owner order."""
+    ranks = bounds.numel() - 1
+    owners = torch.cat([torch.arange(ranks, device=sel.device), Regions.owners(sel, bounds.to(sel.device))])
+    order = torch.argsort(owners, stable=True)
+    rows = to_rows(torch.cat([largest.reshape(1).expand(ranks), values])[order],
+                   torch.cat([sel.new_full((ranks,), n), sel])[order])
+    return rows, torch.bincount(owners, minlength=ranks).to(torch.int32).cpu()
+
+
+def senders_rows(rows, received, numel, dtype):
+    """What an owner received in step 1: (values, indices) of the entries, every sender's flag value (its
+    largest |value|, or inf) as float64, and how many senders' tensor sizes differ from ``numel``.
+    ``received``: rows per sender; every sender's block starts with its flag row, indexed by its numel."""
+    values, indices = from_rows(rows, dtype)
+    flags = torch.zeros(indices.numel(), dtype=torch.bool, device=indices.device)
+    flags[(torch.cumsum(received.long(), 0) - received.long()).to(indices.device)] = True
+    other_sizes = int((indices[flags] != numel).sum())
+    return values[~flags], indices[~flags], values[flags].to(torch.float64), other_sizes
+
+
+def histogram_row(counts, outside, other_sizes):
+    """Step 3's allreduced int32 row: the bins' counts, then this owner's count of rows outside its
+    region and of senders whose size differs from its own (``HIST_BYTES``, which the cost model prices)."""
+    return torch.cat([counts.cpu(), torch.tensor([outside, other_sizes])]).to(torch.int32)
 
 
 def owners_share(hist, counts, bins, sums, k):
@@ -114,12 +142,7 @@ class SplitReduce:
         selected = acc.index_select(0, sel)
         values = selected.to(self.value_dtype or acc.dtype)
         largest = values.abs().max() if finite else values.new_full((), math.inf)
-        # every destination gets its flag row (index n) first, then its entries, in owner order
-        owners = torch.cat([torch.arange(ranks, device=sel.device), Regions.owners(sel, bounds.to(sel.device))])
-        order = torch.argsort(owners, stable=True)
-        rows = to_rows(torch.cat([largest.reshape(1).expand(ranks), values])[order],
-                       torch.cat([sel.new_full((ranks,), n), sel])[order])
-        splits = torch.bincount(owners, minlength=ranks).to(torch.int32).cpu()
+        rows, splits = rows_for_owners(values, sel, largest, bounds, n)
         handle = mpi_ops.alltoall_async(rows, splits, name=f"{self.name}.{key}.split", process_set=ps)
         self.inflight[key] = (handle, acc, sel, k, bounds)
 
@@ -149,23 +172,18 @@ class SplitReduce:
     def _sum_candidates(self, key, handle, acc, sel, k, bounds):
         """Step 2 and the start of step 3: this owner's summed candidates and its histogram allreduce;
         None when some rank was non-finite (every owner received every rank's flag row)."""
-        rows, received = mpi_ops.synchronize(handle)
-        values, indices = from_rows(rows, self.value_dtype or acc.dtype)
-        # every sender's block starts with its flag row, whose index is the sender's numel
-        flags = torch.zeros(indices.numel(), dtype=torch.bool, device=indices.device)
-        flags[(torch.cumsum(received.long(), 0) - received.long()).to(indices.device)] = True
-        other_sizes = int((indices[flags] != acc.numel()).sum())
-        largest = values[flags].to(torch.float64)
+        values, indices, largest, other_sizes = senders_rows(*mpi_ops.synchronize(handle), acc.numel(),
+                                                             self.value_dtype or acc.dtype)
         if not bool(torch.isfinite(largest).all()):
             return None
         me = self.collectives.process_set.rank()
-        values, indices = values[~flags].to(acc.dtype), indices[~flags]
+        values = values.to(acc.dtype)
         outside = int(((indices < bounds[me]) | (indices >= bounds[me + 1])).sum())
         candidates, slot = torch.unique(indices, return_inverse=True)
         sums = torch.zeros(candidates.numel(), dtype=acc.dtype, device=acc.device).index_add_(0, slot, values)
         bins = magnitude_bins(sums, largest)
         counts = torch.bincount(bins, minlength=HIST_BINS)
-        hist = torch.cat([counts.cpu(), torch.tensor([outside, other_sizes])]).to(torch.int32)
+        hist = histogram_row(counts, outside, other_sizes)
         handle = mpi_ops.allreduce_async(hist, op=mpi_ops.Sum, name=f"{self.name}.{key}.hist",
                                          process_set=self.collectives.process_set)
         return handle, acc, sel, k, candidates, sums, bins, counts
@@ -188,7 +206,7 @@ class SplitReduce:
         rows = to_rows(torch.cat([kept_values, kept_values.new_zeros(1)]), torch.cat([candidates[keep], pad]))
         handle = mpi_ops.allgather_async(rows, name=f"{self.name}.{key}.gather",
                                          process_set=self.collectives.process_set)
-        return handle, acc, sel, rows.numel() + (HIST_BINS + 2) * 4           # the histogram went as int32
+        return handle, acc, sel, rows.numel() + HIST_BYTES
 
     def _gather(self, key, phase):
         """Step 4: the aggregate, identical on every rank, and what left this rank (its kept entries)."""

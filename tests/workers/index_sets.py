@@ -12,8 +12,8 @@ import os
 import horovod.torch as hvd
 import torch
 
-from hvd_topk.index_sets import IndexPipeline
-from hvd_topk.leaders import star_leader
+from hvd_topk.transports.index_sets import IndexPipeline
+from hvd_topk.transports.leaders import star_leader
 from hvd_topk.sparsify import topk_indices
 
 p = argparse.ArgumentParser()

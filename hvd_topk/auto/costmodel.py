@@ -30,7 +30,9 @@ split_reduce   4(N−1)α + 2(N−1)/N·Mc(1+r)β + 2(N−1)/N·Hβ    Ok-Topk's
 With one worker there is nothing to communicate and every time is 0.
 """
 import math
-from .validate import check_int, check_number
+
+from ..validate import check_int, check_number
+from ..wire import HIST_BYTES, INDEX_BYTES
 
 __all__ = ["COLLECTIVES", "HIST_BYTES", "predict", "choose", "crossover_density"]
 
@@ -39,16 +41,12 @@ __all__ = ["COLLECTIVES", "HIST_BYTES", "predict", "choose", "crossover_density"
 # (three collectives per tensor, but bytes per rank flat in N: a tie at this N turns its way at a larger
 # one), then allgather (bytes per rank growing with N).
 COLLECTIVES = ("dense_ring", "dense_tree", "artopk_ring", "artopk_tree", "split_reduce", "allgather")
-# Bytes H of split_reduce's histogram allreduce: 128 magnitude bins, one count of rows received
-# outside the owner's region and one of senders whose size differs, int32
-# (hvd_topk.transports.split_reduce). A constant here, since that module needs torch and this one must not.
-HIST_BYTES = (128 + 2) * 4
 # Relative margin within which two modelled times count as a tie, so that rounding in formulas that
 # are equal on paper (e.g. all zeros at N = 1) cannot flip the choice.
 _TIE_RTOL = 1e-9
 
 
-def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value_bytes=4):
+def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYTES, value_bytes=4):
     """Modelled communication seconds of every collective (docs/costmodel.md, module docstring).
 
     Args:
@@ -89,7 +87,7 @@ def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value
     }
 
 
-def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value_bytes=4, candidates=None):
+def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYTES, value_bytes=4, candidates=None):
     """Name of the collective with the smallest modelled time.
 
     Ties (times within a relative 1e-9) go to the candidate listed first in ``COLLECTIVES`` order:
@@ -119,7 +117,7 @@ def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=4, value_
     return next(name for name in names if times[name] <= best * (1 + _TIE_RTOL))
 
 
-def crossover_density(n_workers, index_bytes=4, value_bytes=4):
+def crossover_density(n_workers, index_bytes=INDEX_BYTES, value_bytes=4):
     """Density below which the Top-K allgather sends fewer bytes per rank than a dense ring allreduce.
 
     Equating the bandwidth terms Mc(1+r)(N−1) and 2(N−1)/N·M gives c* = 2 / (N(1 + r)),

@@ -7,7 +7,7 @@ with an allreduce, then rank 0's copy broadcast, so the bits are identical every
 largest size took less than 4x the smallest, the bandwidth term is drowned by latency and noise,
 so sizes x4 larger are added (up to ``max_bytes``), decided on the agreed times. A line
 ``t = a + b·bytes`` is fitted by ordinary least squares, rank 0's fit is broadcast, and the line is
-read through the cost model of the collective used (``hvd_topk.costmodel``, docs/auto.md; ``M`` the
+read through the cost model of the collective used (``hvd_topk.auto.costmodel``, docs/auto.md; ``M`` the
 message bytes, ``N`` the ranks):
 
 - ``allreduce`` (ring): t = 2(N−1)α + 2(N−1)/N·Mβ, so  α = a / (2(N−1)),  β = b·N / (2(N−1)).
@@ -22,8 +22,8 @@ bytes/s sends 2M bytes through it (M per rank), so t ≈ 2M/R and the probe repo
 
 Example (one rank here; in a job, every rank calls ``run()``, a collective):
     >>> import horovod.torch as hvd
-    >>> from hvd_topk import costmodel
-    >>> from hvd_topk.probe import Probe
+    >>> from hvd_topk.auto import costmodel
+    >>> from hvd_topk.auto.probe import Probe
     >>> hvd.init()
     >>> probe = Probe()
     >>> res = probe.run()
@@ -38,11 +38,11 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from .comm import agree
-from .validate import check_choice, check_int, check_number
+from ..transports.collectives import agree
+from ..validate import check_choice, check_int, check_number
 
-__all__ = ["DEFAULT_SIZES", "DEFAULT_REPEATS", "DEFAULT_MAX_BYTES", "DEFAULT_THRESHOLD", "ProbeResult", "Probe",
-           "fit_line", "to_alpha_beta", "drift"]
+__all__ = ["DEFAULT_SIZES", "DEFAULT_REPEATS", "DEFAULT_MAX_BYTES", "ProbeResult", "Probe",
+           "fit_line", "to_alpha_beta"]
 
 # 4 B .. 4 MiB in steps of x16: six sizes, 0.1-0.4 s in all on an unlimited loopback here (2 busy
 # cores), the x4 extension to 16 MiB included when it happens.
@@ -52,8 +52,6 @@ DEFAULT_REPEATS = 5
 # The x4 extension stops here: 16 MiB takes about 1.3 s per call on a 100 Mbit/s link, so the extension
 # cannot stall a slow link for long.
 DEFAULT_MAX_BYTES = 16 << 20
-# ``drift``'s default tolerated relative error (``hvd_topk.auto`` has its own rule: ``hvd_topk.recheck``).
-DEFAULT_THRESHOLD = 0.25
 # Bytes of one element of the probe's messages (float32): sizes must be whole elements.
 _ELEMENT_BYTES = 4
 _PROBED = ("allreduce", "broadcast")
@@ -138,33 +136,6 @@ def to_alpha_beta(intercept_s, slope_s_per_byte, n_workers, collective="allreduc
     return max(0.0, alpha), max(0.0, beta)
 
 
-def drift(measured_comm_s, predicted_comm_s, threshold=0.25):
-    """True when a measured communication time is off the modelled one by more than ``threshold``.
-
-    Relative error ``|measured − predicted| / predicted``; with ``predicted == 0`` any measured time
-    > 0 counts as drift. Feed it the same numbers on every rank (e.g. averaged with an allreduce, as
-    ``Probe.drift`` does), or ranks disagree on re-probing and their collectives no longer match.
-
-    Args:
-        measured_comm_s: measured seconds, finite and >= 0 (average a few steps: one step is noisy).
-        predicted_comm_s: modelled seconds (``costmodel.predict``), finite and >= 0.
-        threshold: tolerated relative error, finite and > 0.
-
-    Returns:
-        bool: re-probe (and re-choose) when True.
-
-    Example:
-        >>> drift(0.013, 0.010), drift(0.011, 0.010)
-        (True, False)
-    """
-    check_number("measured_comm_s", measured_comm_s, low=0)
-    check_number("predicted_comm_s", predicted_comm_s, low=0)
-    check_number("threshold", threshold, low=0, low_open=True)
-    if predicted_comm_s == 0:
-        return measured_comm_s > 0
-    return abs(measured_comm_s - predicted_comm_s) / predicted_comm_s > threshold
-
-
 class Probe:
     """Measures alpha and beta with Horovod's collectives; every method that talks is collective.
 
@@ -178,18 +149,15 @@ class Probe:
             bandwidth term is lost in the latency and its noise (fast links, busy hosts), so sizes x4
             larger are added, up to this many bytes (default 16 MiB), until it does.
         collective: ``"allreduce"`` (ring model) or ``"broadcast"`` (tree model, root 0).
-        threshold: relative error of ``drift`` (default 0.25).
         name: prefix of the Horovod collective names (identical on every rank).
 
     Example (every rank gets the same res.alpha and res.beta):
         >>> probe = Probe(repeats=3)
         >>> res = probe.run()
-        >>> if probe.drift(measured_comm_s=0.02, predicted_comm_s=0.01):
-        ...     res = probe.run()
     """
 
     def __init__(self, sizes=DEFAULT_SIZES, repeats=DEFAULT_REPEATS, max_bytes=DEFAULT_MAX_BYTES,
-                 collective="allreduce", threshold=DEFAULT_THRESHOLD, name="hvd_topk.probe"):
+                 collective="allreduce", name="hvd_topk.probe"):
         sizes = tuple(sizes)
         if len(set(sizes)) < 2 or not all(_is_msg_bytes(s) for s in sizes):
             raise ValueError(f"sizes must hold at least two distinct ints >= 4 that are multiples of 4, "
@@ -198,15 +166,12 @@ class Probe:
         if not _is_msg_bytes(max_bytes):
             raise ValueError(f"max_bytes must be an int >= 4 that is a multiple of 4, got {max_bytes!r}")
         check_choice("collective", collective, _PROBED)
-        drift(0.0, 0.0, threshold)    # validates threshold
         # Schedule (identical on every rank)
         self.sizes = tuple(sorted(set(sizes)))
         self.repeats = repeats
         self.max_bytes = max_bytes
         self.collective = collective
         self.name = name
-        # Re-probe policy
-        self.threshold = threshold
         # Outcome of the last run, None before the first
         self.result = None
 
@@ -237,21 +202,6 @@ class Probe:
         alpha, beta = to_alpha_beta(a, b, n, self.collective)
         self.result = ProbeResult(alpha, beta, a, b, self.collective, n, tuple(sizes), tuple(times), wall)
         return self.result
-
-    def drift(self, measured_comm_s, predicted_comm_s):
-        """Whether to re-probe: ``drift`` on the ranks' average of ``measured_comm_s`` (collective).
-
-        Args:
-            measured_comm_s: this rank's measured communication seconds, finite and >= 0.
-            predicted_comm_s: the modelled seconds, identical on every rank.
-
-        Returns:
-            bool, identical on every rank.
-        """
-        drift(measured_comm_s, predicted_comm_s, self.threshold)   # validates before talking
-        if hvd.size() > 1:
-            (measured_comm_s,) = self._agree([float(measured_comm_s)], "drift")
-        return drift(measured_comm_s, predicted_comm_s, self.threshold)
 
     def _median_s(self, size):
         """Median seconds of ``repeats`` calls of ``size`` bytes, after the untimed warm-up call."""

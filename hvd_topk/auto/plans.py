@@ -1,6 +1,6 @@
 """Transport plans from the cost model: which transport each compressed tensor uses, and what a plan costs.
 
-Pure functions over plain numbers and dicts; no Horovod, no torch (``hvd_topk.auto`` applies them, see
+Pure functions over plain numbers and dicts (``hvd_topk.auto`` applies them, see
 docs/auto.md). For every compressed tensor (n elements, density c, N ranks) the modelled seconds are::
 
     dense         dense_ring(M = 4n)                              a plain allreduce, nothing selected
@@ -9,17 +9,18 @@ docs/auto.md). For every compressed tensor (n elements, density c, N ranks) the 
                                                                   owners' sums are O(k), left out
     allgather     allgather(M, c)    + σ·n + π·n                  every rank selects its own top-k
 
-with the communication terms of ``hvd_topk.costmodel``, σ the seconds per element of one exact top-k
+with the communication terms of ``hvd_topk.auto.costmodel``, σ the seconds per element of one exact top-k
 selection and π the seconds per element of one pass over the accumulator (the leader role rotates, so
 each rank selects 1/N of the tensors). The cheapest wins; ties go to dense, then artopk, then
 split_reduce (the order of ``TRANSPORTS``). Horovod's Gloo and MPI collectives do not expose ring vs.
 tree, so only the ring formulas are used. The model ignores the overlap with the backward pass and the
 ranks' competition for CPU, so ``trial_plans`` lists the plans worth checking by measurement
-(``hvd_topk.trial``).
+(``hvd_topk.auto.trial``).
 """
 from typing import NamedTuple
 
 from . import costmodel
+from ..wire import INDEX_BYTES
 
 __all__ = ["TRANSPORTS", "TRIAL_SPAN", "Costs", "tensor_seconds", "plan_transports", "plan_seconds",
            "trial_plans", "uniform_plan", "plan_name", "plan_counts", "fitted_link"]
@@ -31,8 +32,6 @@ TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather")
 # Every uniform plan modelled within this factor of the model's plan is measured: the model's misses
 # seen on busy hosts (CPU competition, fusion) stayed within it.
 TRIAL_SPAN = 4.0
-# Bytes of one index of the sparse transports (int32).
-_INDEX_BYTES = 4
 
 
 class Costs(NamedTuple):
@@ -47,7 +46,7 @@ def tensor_seconds(numel, density, n_workers, costs, value_bytes=4):
     """Modelled seconds of each transport for one tensor (module docstring). dict transport -> s, in
     ``TRANSPORTS`` order."""
     t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta,
-                          index_bytes=_INDEX_BYTES, value_bytes=value_bytes)
+                          index_bytes=INDEX_BYTES, value_bytes=value_bytes)
     select, sweep = costs.select_s * numel, costs.pass_s * numel
     return {"dense": t["dense_ring"],
             "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep,

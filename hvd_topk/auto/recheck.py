@@ -13,7 +13,7 @@ network), re-runs the probe and the transport choice (at most once per ``REPROBE
 G(c) = ‖top-k_c(acc)‖² / ‖acc‖² of each candidate ratio c, computed from the accumulators of one step
 (``sparsify.topk_energies``, one selection at the largest k). The step time of another ratio is
 T(c) = T − comm(now) + comm(c), with the modelled communication and selection of
-``hvd_topk.plans``. The ratio minimises::
+``hvd_topk.auto.plans``. The ratio minimises::
 
     J(c) = T(c) / G(c) ** weight          (weight 0.3 by default)
 
@@ -27,15 +27,17 @@ ratio). The ratio moves only when J improves by more than ``HYSTERESIS``; a new 
 ``RATIO_DELAY`` steps later, so the AR-Topk index set prepared one step ahead already has the new size.
 """
 import math
+import numbers
 import statistics
 from typing import NamedTuple, Optional
 
 from .plans import plan_seconds, plan_transports, uniform_plan
 
-__all__ = ["DEFAULT_WEIGHT", "HYSTERESIS", "REPROBE_CHECKS", "RATIO_DELAY", "Drift", "check_row",
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_WEIGHT", "candidate_ratios", "HYSTERESIS", "REPROBE_CHECKS", "RATIO_DELAY", "Drift", "check_row",
            "probe_is_old", "drift_check", "gain_fractions", "ratio_step_seconds", "choose_ratio",
            "ratio_reason"]
 
+DEFAULT_RATIOS = (0.1, 0.03, 0.01, 0.003, 0.001)    # the adaptive ratio's candidates (adaptive_ratio=True)
 DEFAULT_WEIGHT = 0.3        # w of J(c); measured, see the module docstring
 HYSTERESIS = 0.05           # J must improve by more than this to move the ratio (no flapping on noise)
 REPROBE_CHECKS = 4          # at most one re-probe per this many checks: a probe costs about a step
@@ -138,3 +140,30 @@ def ratio_reason(current, new, gains, times):
     """The history's line of a ratio move."""
     return (f"ratio {current:g} -> {new:g} (gain {gains[current]:.3f} -> {gains[new]:.3f}, "
             f"step {times[current] * 1e3:.1f} -> {times[new] * 1e3:.1f} ms)")
+
+
+def candidate_ratios(adaptive_ratio, ratio, communication):
+    """The optimizer's ``adaptive_ratio`` as candidate ratios (descending), or None; ValueError on bad
+    bounds. ``ratio``: the compression's, where the adaptive ratio starts."""
+    if adaptive_ratio is None or adaptive_ratio is False:
+        return None
+    if adaptive_ratio is True:
+        low, high = min(DEFAULT_RATIOS), max(DEFAULT_RATIOS)
+    elif (isinstance(adaptive_ratio, (tuple, list)) and len(adaptive_ratio) == 2
+          and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in adaptive_ratio)
+          and 0 < adaptive_ratio[0] <= adaptive_ratio[1] <= 1):
+        low, high = float(adaptive_ratio[0]), float(adaptive_ratio[1])
+    else:
+        raise ValueError("adaptive_ratio must be None, True or (low, high) with 0 < low <= high <= 1, "
+                         f"got {adaptive_ratio!r}")
+    if communication == "dense":
+        raise ValueError("adaptive_ratio needs a compressing communication ('artopk', 'allgather', "
+                         "'split_reduce' or 'auto'), got communication='dense'")
+    if not low <= ratio <= high:
+        raise ValueError(f"the compression's ratio {ratio} (where the adaptive ratio starts) must lie within "
+                         f"adaptive_ratio's bounds [{low}, {high}]")
+    ratios = sorted({c for c in DEFAULT_RATIOS if low <= c <= high} | {ratio}, reverse=True)
+    if len(ratios) < 2:
+        raise ValueError(f"adaptive_ratio bounds [{low}, {high}] leave fewer than two candidate ratios "
+                         f"(candidates: {DEFAULT_RATIOS} and the start ratio {ratio})")
+    return tuple(ratios)

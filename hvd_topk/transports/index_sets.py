@@ -17,7 +17,7 @@ import zlib
 import torch
 from horovod.torch import mpi_ops
 
-from .sparsify import spread_indices, topk_indices
+from ..sparsify import spread_indices, topk_indices
 
 __all__ = ["IndexPipeline", "PLAN_HEADER"]
 
@@ -106,9 +106,8 @@ class IndexPipeline:
         keys = [(key, k) for key, k, _ in plan]
         header = torch.tensor([sets.numel(), _fingerprint(keys), _fingerprint([p[2] for p in plan])],
                               dtype=torch.int32, device=device)
-        block = torch.cat([header, sets])
-        self.in_flight = (mpi_ops.allgather_async(block.reshape(-1, 1), name=f"{self.name}.sets",
-                                                  process_set=self.process_set), plan)
+        block = torch.cat([header, sets]).reshape(-1, 1)
+        self.in_flight = (mpi_ops.allgather_async(block, name=f"{self.name}.sets", process_set=self.process_set), plan)
 
     def receive(self):
         """Wait for the last flush's allgather, if any, and split it into ``ready`` by its plan."""

@@ -1,100 +1,55 @@
 """``communication='auto'`` and the adaptive ratio of ``hvd_topk.DistributedOptimizer`` (docs/auto.md).
 
 ``AutoTuner`` is the shell around pure decisions: it records this rank's step and communication times
-and accumulator energies, has the ranks agree on them (``comm.agree``: averaged over the ranks, then
+and accumulator energies, has the ranks agree on them (``HorovodWorld.agree``: averaged over the ranks, then
 rank 0's copy broadcast) and runs the probe; those are its only collectives. Every decision is taken
 from agreed numbers by the pure functions of
 
-- ``hvd_topk.plans``: the modelled seconds of each transport and the plans they give,
-- ``hvd_topk.trial``: the measured trial of plans (turns, rounds, verdict),
-- ``hvd_topk.recheck``: the periodic check (re-probe on drift, the adaptive ratio),
+- ``hvd_topk.auto.plans``: the modelled seconds of each transport and the plans they give,
+- ``hvd_topk.auto.trial``: the measured trial of plans (turns, rounds, verdict),
+- ``hvd_topk.auto.recheck``: the periodic check (re-probe on drift, the adaptive ratio),
 
 so every rank takes the same decision at the same step even when their clocks disagree.
 
 **Transport per tensor (communication='auto').** After the first step the ranks probe α and β
-(``hvd_topk.probe``) and time the compression work of this machine (σ, π of ``hvd_topk.plans``); the
+(``hvd_topk.auto.probe``) and time the compression work of this machine (σ, π of ``hvd_topk.auto.plans``); the
 model's plan, and every uniform plan modelled within 4x of it, are then measured in turns
-(``hvd_topk.trial``) and the fastest is kept (dense on a tie within the margin).
+(``hvd_topk.auto.trial``) and the fastest is kept (dense on a tie within the margin).
 
 **Re-deciding.** Every ``every`` steps the ranks agree on the window's step and communication times
 and the compression gains; a drift of the communication time from the model at two checks in a row
 re-runs the probe and the transport choice, and the ratio moves to the candidate of least
-J(c) = T(c) / G(c) ** weight when that improves J by more than 5% (``hvd_topk.recheck``).
+J(c) = T(c) / G(c) ** weight when that improves J by more than 5% (``hvd_topk.auto.recheck``).
 """
 import logging
 import math
-import statistics
 
 import torch
 from horovod.torch import mpi_ops
 
 from . import recheck, trial as trials
-from .comm import agree
-from .plans import (TRANSPORTS, Costs, fitted_link, plan_counts, plan_seconds, plan_transports, tensor_seconds,
-                    trial_plans, uniform_plan)
+from .measure import HorovodWorld, time_compression
+from .plans import (Costs, fitted_link, plan_counts, plan_seconds, plan_transports, trial_plans,
+                    uniform_plan)
 from .probe import Probe
-from .recheck import DEFAULT_WEIGHT, choose_ratio
-from .sparsify import k_for, topk_energies, topk_indices
+from .recheck import DEFAULT_WEIGHT, candidate_ratios, choose_ratio
 from .trial import TRIAL_MARGIN
-from .validate import check_int, check_number
+from ..sparsify import k_for, topk_energies
+from ..validate import check_int, check_number
 
-__all__ = ["TRANSPORTS", "DEFAULT_RATIOS", "DEFAULT_WEIGHT", "Costs", "tensor_seconds", "plan_transports",
-           "plan_seconds", "trial_plans", "choose_ratio", "AutoTuner", "time_compression"]
+__all__ = ["AutoTuner", "tuner_for"]
 
 log = logging.getLogger("hvd_topk")
 
-DEFAULT_RATIOS = (0.1, 0.03, 0.01, 0.003, 0.001)
 # The probe's timed calls per message size (the median is kept): 3 is enough for the model's choice,
 # which the trial then checks by measurement, and keeps the probe short (it runs again on drift).
 _PROBE_REPEATS = 3
-# The compression timing: a tensor as large as the largest compressed one (this size when none is),
-# capped so that it stays a fraction of a second on a slow host; the median of a few repeats, so that
-# one slow call on a busy host does not count.
-_TIMING_NUMEL_NO_TENSOR = 1 << 16
-_TIMING_MAX_NUMEL = 1 << 22              # 4M elements: per-element costs are flat well before that
-_TIMING_REPEATS = 3
-_TIMING_SEED = 0                         # the same tensor on every rank and every probe
-
-
-class HorovodWorld:
-    """The tuner's only contact with the other ranks; a test may give a tuner another object with the
-    same three methods (``tuner.world = ...``)."""
-
-    @staticmethod
-    def agree(values, name):
-        """``values`` averaged over the ranks, bit-identical everywhere (collective)."""
-        return agree(values, name)
-
-    @staticmethod
-    def size():
-        return mpi_ops.size()
-
-    @staticmethod
-    def rank():
-        return mpi_ops.rank()
-
-
-def time_compression(numels, ratio, clock):
-    """This rank's [s per element of a top-k selection, s per element of one pass], from a tensor as
-    large as the largest of ``numels`` (dict name -> elements), capped at ``_TIMING_MAX_NUMEL``."""
-    n = min(max(numels.values(), default=_TIMING_NUMEL_NO_TENSOR), _TIMING_MAX_NUMEL)
-    x = torch.randn(n, generator=torch.Generator().manual_seed(_TIMING_SEED))
-    k = k_for(n, ratio)
-    sel, sweep = [], []
-    for _ in range(_TIMING_REPEATS):
-        t0 = clock()
-        topk_indices(x, k)
-        t1 = clock()
-        x.add_(x, alpha=0.0)
-        sweep.append(clock() - t1)
-        sel.append(t1 - t0)
-    return [statistics.median(sel) / n, statistics.median(sweep) / n]
 
 
 class _CollectiveSteps:
     """``AutoTuner``'s collective steps (every rank calls them at the same step): each has the ranks
     agree on their measurements (``self.world.agree``) or probes, then applies the pure decisions of
-    ``hvd_topk.plans``, ``hvd_topk.trial`` and ``hvd_topk.recheck`` to the tuner's attributes."""
+    ``hvd_topk.auto.plans``, ``hvd_topk.auto.trial`` and ``hvd_topk.auto.recheck`` to the tuner's attributes."""
 
     def _probe(self, state, step, reason):
         """Probe alpha and beta, time the compression, and choose the transports (a trial of plans when
@@ -191,7 +146,7 @@ class AutoTuner(_CollectiveSteps):
             as good (the all-dense plan within it is kept: exact); a lead over dense smaller than this is
             within the noise of a busy host.
         threshold: relative drift of communication time that triggers a new probe.
-        probe: a ``hvd_topk.probe.Probe`` (default ``Probe(repeats=3)``).
+        probe: a ``hvd_topk.auto.probe.Probe`` (default ``Probe(repeats=3)``).
     """
 
     # what a checkpoint holds besides plan, costs, history and trial (plain data)
@@ -222,8 +177,7 @@ class AutoTuner(_CollectiveSteps):
         self.trial = None                 # trial.Trial under way, or None
         self.history = []                 # (step, ratio, {transport: count}, reason), identical on all ranks
         # this rank's measurements of the current window
-        self.step_times = []
-        self.comm_times = []
+        self.step_times, self.comm_times = [], []
         self.gain_sums = None             # [energy of each candidate ..., ||acc||^2] of one step
 
     # -- what the optimizer asks ------------------------------------------------------------------
@@ -233,6 +187,13 @@ class AutoTuner(_CollectiveSteps):
         if not self.auto_transport:
             return fixed
         return self.plan.get(name, "dense")      # before the first decision: dense, exact
+
+    def figures(self):
+        """``opt.stats()``'s share: the probed costs; with communication='auto', tensors per transport."""
+        if self.costs is None:
+            return {}
+        counts = plan_counts(self.plan) if self.auto_transport else {}
+        return dict(alpha=self.costs.alpha, beta=self.costs.beta, **{f"auto_{m}": c for m, c in counts.items()})
 
     def wants_gains(self, step):
         """Whether this step's accumulators feed the gain estimate (the step before a check)."""
@@ -265,7 +226,7 @@ class AutoTuner(_CollectiveSteps):
         return self._check(state, step)
 
     def start_trial(self, arms):
-        """Measure ``arms`` (plans) in turns from the next step on (``hvd_topk.trial``)."""
+        """Measure ``arms`` (plans) in turns from the next step on (``hvd_topk.auto.trial``)."""
         self.trial = trials.new_trial(arms)
         self.plan = dict(arms[0])
 
@@ -290,3 +251,17 @@ class AutoTuner(_CollectiveSteps):
             for key in self._CHECKPOINTED:
                 value = state[key]
                 setattr(self, key, list(value) if isinstance(value, list) else value)
+
+
+def tuner_for(communication, adaptive_ratio, ratio, weight, every, process_set):
+    """The optimizer's ``AutoTuner``, or None without communication='auto' and adaptive_ratio.
+    ValueError naming a bad argument (adaptive_ratio, adaptive_weight, auto_every, process_set)."""
+    ratios = candidate_ratios(adaptive_ratio, ratio, communication)
+    check_number("adaptive_weight", weight, low=0)
+    check_int("auto_every", every, low=2)
+    if communication != "auto" and ratios is None:
+        return None
+    if process_set is not mpi_ops.global_process_set:
+        raise ValueError("communication='auto' and adaptive_ratio need the global process set (their probe "
+                         "and decisions run over all ranks)")
+    return AutoTuner(communication == "auto", ratios, weight=float(weight), every=int(every))

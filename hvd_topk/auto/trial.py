@@ -4,7 +4,7 @@ Pure functions over a plain record (``Trial``); no Horovod, no torch. ``hvd_topk
 rank's step times into it, agrees with the other ranks on each round's means (the one collective) and
 applies the verdict (docs/auto.md).
 
-The plans on trial (``hvd_topk.plans.trial_plans``: the model's plan and every uniform plan modelled
+The plans on trial (``hvd_topk.auto.plans.trial_plans``: the model's plan and every uniform plan modelled
 within 4x of it) take turns, ``trial_steps`` steps at a time (A B C A B C ...: a slow spell of the host
 falls on every plan, not on one). The first step of each turn and the whole first round (each
 transport's first use: buffers allocated, index pipeline started) are not counted. After every round

@@ -1,0 +1,109 @@
+"""What each front door accepts: one place for the argument checks of ``TopKEF`` and
+``hvd_topk.DistributedOptimizer``.
+
+Every check raises ``ValueError`` naming the argument and the accepted values (``hvd_topk.validate``'s
+message shape), before anything collective starts, so a bad argument fails alike on every rank. The
+automatic choices (``communication='auto'``, ``adaptive_ratio``) are checked where they are built,
+in ``hvd_topk.auto``.
+"""
+import numbers
+
+import torch
+from horovod.torch import mpi_ops
+from horovod.torch.mpi_ops import Average, Sum
+
+from .validate import check_choice, check_int, check_number
+
+__all__ = ["check_topkef", "check_optimizer", "check_groups", "STOCK_COMMUNICATIONS", "COMMUNICATIONS",
+           "COMPRESSES", "LEADERS", "SELECTIONS"]
+
+STOCK_COMMUNICATIONS = ("split_reduce", "allgather", "artopk", "dense")      # TopKEF's
+COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "dense", "auto")    # the optimizer's
+COMPRESSES = ("gradient", "update")
+LEADERS = ("star", "var")
+SELECTIONS = ("layerwise", "global")
+
+
+def check_topkef(ratio, min_numel, communication, budget):
+    """``TopKEF``'s arguments: (ratio, min_numel, communication, budget) as validated."""
+    return (check_number("ratio", ratio, low=0, high=1, low_open=True, what="(fraction of elements kept)"),
+            check_int("min_numel", min_numel),
+            check_choice("communication", communication, STOCK_COMMUNICATIONS),
+            check_number("budget", budget, low=1, what="(multiple of k kept by split_reduce)"))
+
+
+def check_optimizer(*, optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
+                    process_set, momentum_correction, warmup_steps, warmup_epochs, clip_grad_norm, communication,
+                    leader, value_dtype, grad_scaler, selection, dense_steps, compress, local_momentum):
+    """``hvd_topk.DistributedOptimizer``'s arguments (``compression``: the TopKEF instance; the automatic
+    ones are ``hvd_topk.auto``'s): ValueError naming the first bad one; else (communication (None: the
+    TopKEF's), momentum correction on/off)."""
+    communication = compression.communication if communication is None else communication
+    check_choice("communication", communication, COMMUNICATIONS)
+    check_choice("compress", compress, COMPRESSES)
+    check_choice("selection", selection, SELECTIONS)
+    check_choice("leader", leader, LEADERS)
+    if compress == "update" and momentum_correction:
+        raise ValueError("momentum_correction=True cannot be used with compress='update' (the local "
+                         "optimizer keeps its momentum; its update is what is compressed)")
+    if not isinstance(local_momentum, bool):
+        raise ValueError(f"local_momentum must be True or False, got {local_momentum!r}")
+    if not local_momentum:
+        if compress != "update":
+            raise ValueError("local_momentum=False needs compress='update' (with compress='gradient' the "
+                             "optimizer steps on the aggregate; see momentum_correction)")
+        if any("betas" not in g and "momentum" not in g for g in optimizer.param_groups):
+            raise ValueError(f"local_momentum=False needs an optimizer whose param groups have 'betas' (Adam "
+                             f"family) or 'momentum' (SGD, RMSprop); {type(optimizer).__name__} has neither")
+    if compress == "update" and grad_scaler is not None:
+        raise ValueError("grad_scaler cannot be used with compress='update' (use it with "
+                         "compress='gradient', or unscaled gradients)")
+    for name, value in (("warmup_steps", warmup_steps), ("warmup_epochs", warmup_epochs),
+                        ("dense_steps", dense_steps)):
+        check_int(name, value)
+    check_int("backward_passes_per_step", backward_passes_per_step, low=1)
+    if clip_grad_norm is not None:
+        check_number("clip_grad_norm", clip_grad_norm, low=0, low_open=True, what="or None")
+    if op not in (Average, Sum):
+        raise ValueError("op must be hvd.Average or hvd.Sum (Adasum is not a sum of sparse vectors)")
+    check_number("gradient_predivide_factor", gradient_predivide_factor, low=0, low_open=True)
+    if not isinstance(process_set, mpi_ops.ProcessSet) or process_set.process_set_id is None:
+        raise ValueError(f"process_set must be a Horovod ProcessSet registered with hvd.init or "
+                         f"hvd.add_process_set, got {process_set!r}")
+    if value_dtype is not None and not (isinstance(value_dtype, torch.dtype) and value_dtype.is_floating_point):
+        raise ValueError(f"value_dtype must be a floating torch dtype or None, got {value_dtype!r}")
+    # DGC's correction is SGD's momentum, on the raw gradient; RMSprop's momentum acts after its
+    # normalisation, so correcting it would change what the optimizer computes.
+    has_momentum = isinstance(optimizer, torch.optim.SGD) and \
+        any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
+    if momentum_correction is None:
+        momentum_correction = has_momentum and compress == "gradient"
+    elif momentum_correction and not has_momentum:
+        raise ValueError("momentum_correction=True needs an optimizer with momentum > 0: torch.optim.SGD "
+                         f"or a subclass (got {type(optimizer).__name__} without SGD's momentum)")
+    check_groups(groups, optimizer)
+    return communication, bool(momentum_correction)
+
+
+def check_groups(groups, optimizer):
+    """ValueError unless ``groups`` is None, an int >= 1 or a list of lists of the optimizer's
+    parameters, each at most once (Horovod's accepted values)."""
+    if groups is None:
+        return
+    if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
+        valid = groups >= 1
+    else:
+        valid = isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups)
+    if not valid:
+        raise ValueError(f"groups must be None, an integer >= 1 or a list of lists of parameters, got {groups!r}")
+    if not isinstance(groups, list):
+        return
+    mine = {id(q) for group in optimizer.param_groups for q in group["params"]}
+    seen = set()
+    for group in groups:
+        for q in group:
+            if not isinstance(q, torch.Tensor) or id(q) not in mine:
+                raise ValueError("groups: every entry must be a parameter of the optimizer")
+            if id(q) in seen:
+                raise ValueError("groups: a parameter can only appear once")
+            seen.add(id(q))
