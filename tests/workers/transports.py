@@ -1,0 +1,83 @@
+"""Every transport driven directly through the ``Transport`` protocol (tests/test_transports.py).
+
+Per transport, two keys per step, started in reversed order on odd ranks and finished in key order, as
+a caller does. Rank 1 poisons key "a" with a NaN at ``--nan-step``: that key's aggregate must be None
+on every rank and its residual is kept. ``forget()`` is called before the last step. Writes
+``<out>/rank<r>.pt``: per transport and step and key, the aggregate, what left this rank (dense,
+float64), the gradient, the residual after the step, and ``Started.nbytes``.
+"""
+import argparse
+import os
+
+import horovod.torch as hvd
+import torch
+
+from hvd_topk.transports import ARTopk, Dense, SparseAllgather, SplitReduce
+from hvd_topk.transports.collectives import Collectives, Reduction
+from hvd_topk.transports.index_sets import IndexPipeline
+from hvd_topk.transports.leaders import StarLeaders
+from hvd_topk.transports.regions import Regions
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=6)
+p.add_argument("--nan-step", type=int, default=3)
+p.add_argument("--numel", type=int, default=1003)      # no rank count divides it: uneven regions
+p.add_argument("--k", type=int, default=12)
+args = p.parse_args()
+
+hvd.init()
+torch.set_num_threads(1)
+KEYS = ("a", "b")
+NAMES = ("dense", "artopk", "allgather", "split_reduce")
+
+
+def build(name):
+    """The transport ``name`` averaging over all ranks, and what its caller flushes after a step's starts."""
+    collectives = Collectives(f"contract.{name}.group")
+    if name == "dense":
+        return Dense(collectives, Reduction.of(hvd.Average), name="contract.dense"), collectives, None
+    if name == "artopk":
+        index_sets = IndexPipeline(f"contract.{name}.indices")
+        leaders = StarLeaders({key: i for i, key in enumerate(KEYS)})
+        return ARTopk(index_sets, leaders, collectives, Reduction.of(hvd.Average)), collectives, index_sets
+    if name == "allgather":
+        return SparseAllgather(collectives, True, name="contract.allgather"), collectives, None
+    return SplitReduce(collectives, True, Regions(rebalance_every=2), "contract.split"), collectives, None
+
+
+def run(name):
+    transport, collectives, index_sets = build(name)
+    residual = {key: torch.zeros(args.numel) for key in KEYS}
+    k = args.numel if name == "dense" else args.k
+    records = []
+    for step in range(args.steps):
+        if step == args.steps - 1:
+            transport.forget()                 # as after an elastic reset: every rank at once
+        started = {}
+        for key in (reversed(KEYS) if hvd.rank() % 2 else KEYS):
+            gen = torch.Generator().manual_seed(100000 * NAMES.index(name) + 1000 * hvd.rank() + 10 * step + KEYS.index(key))
+            g = torch.randn(args.numel, generator=gen)
+            acc = g + residual[key]
+            if step == args.nan_step and hvd.rank() == 1 and key == "a":
+                acc[5] = float("nan")
+            finite = bool(torch.isfinite(acc).all())
+            started[key] = (transport.start(key, acc, k, finite, grad=g, step=step, k_next=k), acc, g)
+        if index_sets is not None:
+            index_sets.flush()                 # the step's last start: AR-Topk's next sets leave
+        for key in KEYS:
+            st, acc, g = started[key]
+            out = st.finish()
+            sent = acc.double() if out.sent is None else \
+                torch.zeros(args.numel, dtype=torch.float64).index_copy_(0, out.sent, acc.double()[out.sent])
+            if out.aggregate is not None:      # committed only if every rank was finite
+                residual[key] = acc - sent.float() if out.sent is not None else torch.zeros(args.numel)
+            records.append(dict(step=step, key=key, aggregate=out.aggregate, sent=sent, grad=g.double(),
+                                residual=residual[key].double().clone(), nbytes=st.nbytes, k=k))
+        collectives.end_step()
+    return records
+
+
+result = {name: run(name) for name in NAMES}
+result["size"] = hvd.size()
+torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))
