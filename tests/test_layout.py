@@ -1,0 +1,93 @@
+"""The house stays readable: hvd_topk/'s imports follow the layers drawn in docs/img/layers.png
+(scripts/draw_layers.py), only the optimizer's factory reaches into auto/, no file exceeds 300 lines
+and no class or function exceeds 120. Pure reading of the source; nothing is imported from hvd_topk."""
+import ast
+import importlib.util
+import os
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = os.path.join(ROOT, "hvd_topk")
+MAX_FILE_LINES = 300
+MAX_UNIT_LINES = 120
+
+
+def _layers():
+    spec = importlib.util.spec_from_file_location("draw_layers", os.path.join(ROOT, "scripts", "draw_layers.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LAYERS
+
+
+def _sources():
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.relpath(os.path.join(folder, name), PACKAGE)
+
+
+def _layer_of(rel, placed):
+    """The layer of a file under hvd_topk/: its own entry, else its package's ("auto/")."""
+    if rel in placed:
+        return placed[rel]
+    return placed.get(rel.split(os.sep)[0] + "/")
+
+
+def _targets(rel, node):
+    """The files under hvd_topk/ that a relative ``from ... import`` names."""
+    base = os.path.dirname(rel)
+    for _ in range(node.level - 1):
+        base = os.path.dirname(base)
+    stem = os.path.join(base, *node.module.split(".")) if node.module else base
+    candidates = [stem] if node.module else [os.path.join(base, a.name) for a in node.names]
+    for path in candidates:
+        for target in (path + ".py", os.path.join(path, "__init__.py")):
+            if os.path.exists(os.path.join(PACKAGE, target)):
+                yield target
+                break
+
+
+def _relative_imports(rel):
+    with open(os.path.join(PACKAGE, rel)) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            yield from _targets(rel, node)
+
+
+def test_every_file_has_its_place_in_the_drawing():
+    placed = {f: i for i, (_, boxes) in enumerate(_layers()) for _, _, files in boxes for f in files}
+    missing = [rel for rel in _sources() if _layer_of(rel, placed) is None]
+    assert not missing, f"add these to scripts/draw_layers.py's LAYERS and redraw: {missing}"
+
+
+def test_imports_go_to_the_same_layer_or_below():
+    placed = {f: i for i, (_, boxes) in enumerate(_layers()) for _, _, files in boxes for f in files}
+    upward = [(rel, target) for rel in _sources() for target in _relative_imports(rel)
+              if _layer_of(target, placed) < _layer_of(rel, placed)]
+    assert not upward, f"imports from a higher layer: {upward}"
+
+
+def test_only_the_factory_imports_auto():
+    outside = [(rel, target) for rel in _sources() if not rel.startswith("auto" + os.sep)
+               for target in _relative_imports(rel) if target.startswith("auto" + os.sep)]
+    assert {rel for rel, _ in outside} == {"optimizer.py"}, outside
+
+
+def test_the_rule_can_fail():
+    """The checks see an upward import: a transport importing the optimizer would be one."""
+    node = ast.parse("from ..optimizer import DistributedOptimizer").body[0]
+    assert list(_targets(os.path.join("transports", "dense.py"), node)) == ["optimizer.py"]
+
+
+@pytest.mark.parametrize("rel", sorted(_sources()))
+def test_files_and_units_are_small(rel):
+    with open(os.path.join(PACKAGE, rel)) as f:
+        source = f.read()
+    assert source.count("\n") <= MAX_FILE_LINES, f"{rel}: more than {MAX_FILE_LINES} lines"
+    long_units = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and
+                  node.end_lineno - node.lineno + 1 > MAX_UNIT_LINES]
+    assert not long_units, f"{rel}: {long_units} over {MAX_UNIT_LINES} lines"
