@@ -152,8 +152,23 @@ def _zero_grad(self, set_to_none=True):
 
 def _state_dict(self):
     state = super(self.__class__, self).state_dict()
+    _show_velocities(self, state)
     state[STATE_KEY] = coordinator_state(self._hvd_topk)
     return state
+
+
+def _show_velocities(self, state):
+    """Momentum correction keeps SGD's momentum as this rank's velocities, outside the wrapped SGD's
+    state. The state dict shows copies of them as SGD's ``momentum_buffer``, the same quantity, as dense
+    Horovod's would hold: a checkpoint then carries them, and ``hvd.broadcast_optimizer_state`` finds
+    the state it expects. A broadcast into the copies leaves the velocities per rank; a rank without
+    velocities starts them from the buffers it received (``MomentumCorrection.correct``)."""
+    velocities = self._hvd_topk.momentum.velocities
+    for group, saved in zip(self.param_groups, state["param_groups"]):
+        for q, pid in zip(group["params"], saved["params"]):
+            u = velocities.get(self._parameter_names.get(q))
+            if u is not None:                 # a new dict: torch's state dict shares the live ones
+                state["state"][pid] = dict(state["state"].get(pid, {}), momentum_buffer=u.view(q.shape).clone())
 
 
 def _load_state_dict(self, state_dict):
