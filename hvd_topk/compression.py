@@ -16,7 +16,8 @@ drives) with Horovod's public asynchronous collectives, named per parameter:
 - ``dense`` (or ratio 1.0): the gradient + one flag go to Horovod's allreduce: dense Horovod.
 
 Which parameter a gradient belongs to: ``gradient_keys``. Horovod's ``op`` may be Average or Sum
-(``gradient_predivide_factor`` included); Adasum raises at the first step, on every rank.
+(``gradient_predivide_factor`` included); Adasum raises at the first step, on every rank, and so does
+an optimizer ``process_set`` that TopKEF was not given (the token's sum shows both).
 
 Non-finite gradients: if any rank's ``acc`` holds NaN/Inf, every rank learns it (a flag in the same
 collective); then every gradient of that step is all NaN on every rank (so a loss scaler or
@@ -140,7 +141,8 @@ class TopKEF(Compressor):
             transports' state are then keyed by parameter name, whatever order Horovod compresses in.
             Without it they are keyed by position in the step, which must then be the same every step
             and on every rank (if the ranks' orders differ, every rank raises, naming this argument).
-        process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
+        process_set: the optimizer's ``process_set``, if it has one: the transport runs within it
+            (if the optimizer has one and TopKEF is not given it, the set's ranks raise at the first step).
         budget: split_reduce keeps the largest ``budget * k`` of the summed entries (>= 1): room for
             the ranks' own top-k entries where their sets disagree (non-IID data), at budget * k rows
             gathered by every rank. ``hvd_topk.DistributedOptimizer`` reads it from here too.
@@ -221,7 +223,11 @@ class TopKEF(Compressor):
             out = tensor
             finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
         else:
-            out, residual = self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started, ctx.indices, ctx.acc)
+            # The token check raises only on the optimizer's ranks: a rank outside its process set (or a
+            # rank that never joins TopKEF's collectives) is ended by the shutdown, not left waiting.
+            with _ends_job_on_mismatch():
+                out, residual = self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started, ctx.indices,
+                                                        ctx.acc)
             finite = out is not None
             if finite:
                 out = out.reshape(ctx.shape)
