@@ -6,11 +6,12 @@ runs its collectives over all three ranks, and rank 2 never joins them.
 As in that test under a test runner, a rank whose training passed goes on to a global collective (the
 test's check), and a rank whose step raised goes to another (the runner's teardown barrier). If only the
 set's ranks raise, rank 2 waits in the first while they wait in the second: the job hangs, unless the
-ranks that raised end Horovod. Every rank writes ``<out>/rank<r>.pt`` with its parameters and the error
-it caught, if any; a rank whose barrier fails exits non-zero.
+ranks that raised end Horovod. A rank prints the error it caught, with the time; every rank writes
+``<out>/rank<r>.pt`` with its parameters and that error, if any; a rank whose barrier fails exits non-zero.
 """
 import argparse
 import os
+import time
 
 import horovod.torch as hvd
 import torch
@@ -48,7 +49,7 @@ try:
     hvd.allreduce(torch.zeros(1), name="outside_set.after_training")
 except Exception as caught:                    # the test runner records the failure, then tears down
     error = f"{type(caught).__name__}: {caught}"
-    print(f"rank {hvd.rank()} failed: {error}", flush=True)
+    print(f"rank {hvd.rank()} failed at {time.time():.3f}: {error}", flush=True)
 hvd.barrier()                                  # the runner's teardown, a global collective
 torch.save({"params": {n: q.detach().clone() for n, q in named}, "error": error},
            os.path.join(args.out, f"rank{hvd.rank()}.pt"))
