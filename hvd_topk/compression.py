@@ -141,8 +141,7 @@ class TopKEF(Compressor):
             transports' state are then keyed by parameter name, whatever order Horovod compresses in.
             Without it they are keyed by position in the step, which must then be the same every step
             and on every rank (if the ranks' orders differ, every rank raises, naming this argument).
-        process_set: the optimizer's ``process_set``, if it has one: the transport runs within it
-            (if the optimizer has one and TopKEF is not given it, the set's ranks raise at the first step).
+        process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
         budget: split_reduce keeps the largest ``budget * k`` of the summed entries (>= 1): room for
             the ranks' own top-k entries where their sets disagree (non-IID data), at budget * k rows
             gathered by every rank. ``hvd_topk.DistributedOptimizer`` reads it from here too.
