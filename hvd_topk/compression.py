@@ -16,7 +16,8 @@ drives) with Horovod's public asynchronous collectives, named per parameter:
 - ``dense`` (or ratio 1.0): the gradient + one flag go to Horovod's allreduce: dense Horovod.
 
 Which parameter a gradient belongs to: ``gradient_keys``. Horovod's ``op`` may be Average or Sum
-(``gradient_predivide_factor`` included); Adasum raises at the first step, on every rank.
+(``gradient_predivide_factor`` included); Adasum raises at the first step, on every rank, and so does
+an optimizer ``process_set`` that TopKEF was not given (the token's sum shows both).
 
 Non-finite gradients: if any rank's ``acc`` holds NaN/Inf, every rank learns it (a flag in the same
 collective); then every gradient of that step is all NaN on every rank (so a loss scaler or
@@ -27,6 +28,7 @@ Sparse gradients (``nn.Embedding(sparse=True)``) that Horovod sends with its own
 ``compress`` the densified gradient, which is compressed like any other.
 """
 import contextlib
+import itertools
 import threading
 from typing import Hashable, NamedTuple, Optional
 
@@ -145,20 +147,18 @@ class TopKEF(Compressor):
         >>> opt.step()                     # 3 of the weight's 2048 entries sent; the bias (32) dense
     """
 
-    _instances = 0            # creation counter: names the collectives identically on all ranks
+    _instances = itertools.count()   # creation counter: names the collectives identically on all ranks
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
                  process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0):
         self.ratio, self.min_numel, self.communication, self.budget = check_topkef(ratio, min_numel,
                                                                                    communication, budget)
-        # state, per rank
         self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
         self.memory = ResidualMemory()        # key -> residual
         self._step = _PendingStep()           # this step's candidates
-        self.transports = CompressorTransports(f"hvd_topk.TopKEF{TopKEF._instances}", self.communication,
+        self.transports = CompressorTransports(f"hvd_topk.TopKEF{next(TopKEF._instances)}", self.communication,
                                                self.keys.key_index, process_set, _MISMATCH_HINT if named_parameters
                                                is None else "", bool(sync_indices), self.budget)
-        TopKEF._instances += 1
 
     @classmethod
     def default(cls):
@@ -200,13 +200,17 @@ class TopKEF(Compressor):
         its last gradient is decompressed, and only if every gradient was finite on every rank."""
         if ctx is None or (ctx.dense and ctx.key is None):
             return tensor        # Horovod's sparse allreduce (ctx None), or non-floating: not of the step
+        # The checks raise only on the ranks that see the mismatch (the token's: only the optimizer's
+        # process set); the shutdown ends any rank left waiting for them.
         with _ends_job_on_mismatch():
             self.keys.finish_one()
+            received = None if ctx.dense else self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started,
+                                                                      ctx.indices, ctx.acc)
         if ctx.dense:
             out = tensor
             finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
         else:
-            out, residual = self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started, ctx.indices, ctx.acc)
+            out, residual = received
             finite = out is not None
             if finite:
                 out = out.reshape(ctx.shape)
@@ -216,8 +220,6 @@ class TopKEF(Compressor):
             self.transports.flush()            # unless the last compress did (not in the first step)
             self._step.end()
         return out
-
-    # -- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""

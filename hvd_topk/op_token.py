@@ -58,11 +58,26 @@ class OpToken:
         elif abs(ones - 1.0) <= 1e-3 and abs(first * size - 1.0) <= 1e-3:
             scale = float(size)                # Average: undo the division for the key check
         else:
-            raise ValueError("TopKEF supports op=hvd.Average or hvd.Sum (with any gradient_predivide_factor); "
-                             f"Horovod reduced its token to {[ones, first]} over {size} ranks, which neither "
-                             "gives (op=hvd.Adasum combines gradients non-linearly; it cannot carry top-k entries)")
+            raise ValueError(_neither_sum_nor_average(ones, first, size))
         total, total_sq = round(f * scale), round(f2 * scale)     # integers: sums of f and f*f
         if size * total_sq != total * total:
             raise ValueError(f"TopKEF: the ranks compressed the gradient Horovod reduced here under different "
                              f"keys (this rank's: {key!r}); {self.mismatch_hint or 'every rank must give TopKEF the same named_parameters'}")
         return size > 1 and scale != 1.0
+
+
+def _neither_sum_nor_average(ones, first, size):
+    """The error for a token that neither Sum nor Average over TopKEF's ``size`` ranks gives. Whole
+    ``ones`` with a rank-0 flag of 0 or 1/m is a plain Sum or Average over m ranks, just not TopKEF's:
+    the optimizer reduces over a process set TopKEF was not given. Anything else is another ``op``."""
+    def whole(x):
+        return round(x) >= 1 and abs(x - round(x)) <= 1e-3
+    if whole(ones) and (abs(first) <= 1e-3 or whole(1.0 / first)):
+        return (f"TopKEF: Horovod reduced this gradient over a set of ranks other than TopKEF's process_set "
+                f"({size} ranks; the token summed to {[ones, first]}): the optimizer has a process_set that "
+                "TopKEF was not given. Give TopKEF the same set: hvd.DistributedOptimizer(opt, process_set=ps, "
+                "compression=TopKEF(..., process_set=ps)); the class form compression=TopKEF runs over all "
+                "ranks only")
+    return ("TopKEF supports op=hvd.Average or hvd.Sum (with any gradient_predivide_factor); "
+            f"Horovod reduced its token to {[ones, first]} over {size} ranks, which neither "
+            "gives (op=hvd.Adasum combines gradients non-linearly; it cannot carry top-k entries)")

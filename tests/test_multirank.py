@@ -1,4 +1,5 @@
 """Real multi-rank jobs (horovodrun --gloo, mpirun) with TopKEF in stock hvd.DistributedOptimizer."""
+import re
 import time
 
 import pytest
@@ -140,6 +141,41 @@ def test_positional_topkef_refuses_ranks_that_order_gradients_differently(run_ra
     for rank in (0, 1):
         lines = [line for line in failed.value.output.splitlines() if line.startswith(f"[{rank}]")]
         assert any("named_parameters=model.named_parameters()" in line for line in lines), f"rank {rank}"
+
+
+# its own launch: a launch shared with jobs that ran hvd.init() without process sets cannot register one
+OUTSIDE_SET_GIVEN = job(3, "outside_set.py", "--compression", "positional", "--topkef-set", "optimizer", alone=True)
+
+
+@pytest.mark.jobs(OUTSIDE_SET_GIVEN)
+def test_positional_topkef_given_the_optimizers_process_set_trains_within_it(results):
+    """The optimizer reduces within {0, 1} of 3 ranks and TopKEF (no names) is given that set: ranks 0
+    and 1 stay identical, rank 2 (outside) trains on its own gradients."""
+    ranks = results(OUTSIDE_SET_GIVEN)
+    assert all(res["error"] is None for res in ranks)
+    assert_identical_across_ranks(ranks[:2])
+    assert not torch.equal(ranks[2]["params"]["0.weight"], ranks[0]["params"]["0.weight"])
+
+
+@pytest.mark.parametrize("form", ["positional", "class", pytest.param("named", marks=pytest.mark.slow)])
+def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(run_ranks, form):
+    """The optimizer reduces within {0, 1} of 3 ranks; TopKEF is not given that set (the class form
+    cannot be), so its collectives span rank 2, which never joins them. Ranks 0 and 1 raise at the
+    first step, naming process_set; rank 2 carries on to its next global collective, which they never
+    reach, and is ended there by their shutdown of Horovod. It used to hang until killed (the launch's
+    timeout then fails it here too: the job ends long after the first error)."""
+    with pytest.raises(JobFailed) as failed:
+        run_ranks(3, "outside_set.py", "--compression", form, "--topkef-set", "none", timeout=150)
+    ended = time.time()
+    output = failed.value.output
+    raised_at = []
+    for rank in (0, 1):
+        found = re.search(rf"rank {rank} failed at ([0-9.]+): ValueError: TopKEF: Horovod reduced this gradient "
+                          "over a set of ranks other than TopKEF's process_set", output)
+        assert found, f"rank {rank}"
+        raised_at.append(float(found.group(1)))
+    assert re.search(r"rank 2 failed at [0-9.]+: HorovodInternalError: Horovod has been shut down", output)
+    assert ended - min(raised_at) < 60, "the job outlived its first error by a minute"
 
 
 # -- every transport of TopKEF through stock Horovod ------------------------------------------------

@@ -258,3 +258,16 @@ def test_token_refuses_a_reduction_that_is_neither_sum_nor_average():
     with pytest.raises(ValueError, match="op=hvd.Average or hvd.Sum"):
         OpToken(_Ranks(2)).average(adasum_like, "w")
     assert OpToken(_Ranks(2)).average(reduced_token(tokens, "sum"), "w") is False
+
+
+@pytest.mark.parametrize("op", ["average", "sum"])
+@pytest.mark.parametrize("members", [[0], [0, 2], [1, 3], [0, 1, 2]])
+def test_token_reduced_over_another_process_set_names_process_set(op, members):
+    """Horovod reduced over some of TopKEF's 4 ranks only (the optimizer has a process set TopKEF was
+    not given): every rank that reduced it raises, naming process_set, not op."""
+    from hvd_topk.op_token import OpToken
+    like = torch.zeros(1)
+    reduced = reduced_token([OpToken(_Ranks(4, r)).make("w", like) for r in members], op)
+    for r in members:
+        with pytest.raises(ValueError, match="other than TopKEF's process_set .*process_set=ps"):
+            OpToken(_Ranks(4, r)).average(reduced, "w")
