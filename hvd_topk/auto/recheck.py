@@ -33,7 +33,8 @@ from typing import NamedTuple, Optional
 
 from .plans import plan_seconds, plan_transports, uniform_plan
 
-__all__ = ["DEFAULT_RATIOS", "DEFAULT_WEIGHT", "candidate_ratios", "HYSTERESIS", "REPROBE_CHECKS", "RATIO_DELAY", "Drift", "check_row",
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_WEIGHT", "candidate_ratios",
+           "HYSTERESIS", "REPROBE_CHECKS", "RATIO_DELAY", "Drift", "check_row",
            "probe_is_old", "drift_check", "gain_fractions", "ratio_step_seconds", "choose_ratio",
            "ratio_reason"]
 

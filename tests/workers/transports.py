@@ -56,7 +56,8 @@ def run(name):
             transport.forget()                 # as after an elastic reset: every rank at once
         started = {}
         for key in (reversed(KEYS) if hvd.rank() % 2 else KEYS):
-            gen = torch.Generator().manual_seed(100000 * NAMES.index(name) + 1000 * hvd.rank() + 10 * step + KEYS.index(key))
+            seed = 100000 * NAMES.index(name) + 1000 * hvd.rank() + 10 * step + KEYS.index(key)
+            gen = torch.Generator().manual_seed(seed)
             g = torch.randn(args.numel, generator=gen)
             acc = g + residual[key]
             if step == args.nan_step and hvd.rank() == 1 and key == "a":
