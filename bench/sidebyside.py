@@ -258,7 +258,7 @@ def driver(a):
                         "--turn", str(a.turn)]
                 t0 = time.perf_counter()
                 with namespace(BANDWIDTHS[bw], TBF_BURST) as ns:
-                    run_job(a.np, argv, timeout=a.timeout, prefix=ns.prefix, env={"HOROVOD_CYCLE_TIME": CYCLE_TIME_MS},
+                    run_job(a.np, argv, timeout=a.timeout, prefix=ns.prefix, env={"HOROVOD_CYCLE_TIME": a.cycle_ms},
                             cwd=ROOT)
                 with open(js) as f:
                     record = json.load(f)
@@ -294,6 +294,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--repeats", type=int, default=1, help="jobs per link")
     p.add_argument("--np", type=int, default=2)
+    p.add_argument("--cycle-ms", default=CYCLE_TIME_MS, help="HOROVOD_CYCLE_TIME of the job (Horovod's default: 1)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--out", default=os.path.join(RESULTS, "sidebyside_auto"))
     p.add_argument("--report-only", action="store_true", help="rebuild summary and report from <out>/*-rep*.json")
