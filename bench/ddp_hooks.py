@@ -91,8 +91,9 @@ def _examples():
         sys.path.insert(0, path)
 
 
-def digits_task(rank, size, batch_size):
-    """(build, make_opt, batch, metrics) for the wide digits CNN, as bench/sidebyside.py trains it."""
+def digits_task(rank, size, batch_size, model="wide"):
+    """(build, make_opt, batch, metrics) for the wide digits CNN (or the small one, ``model="cnn"``), as
+    bench/sidebyside.py trains it."""
     import torch
     import torch.nn.functional as F
 
@@ -116,7 +117,7 @@ def digits_task(rank, size, batch_size):
         return {"test_loss": F.cross_entropy(out, yt).item(), "test_accuracy": (out.argmax(1) == yt).float().mean().item()}
 
     return types.SimpleNamespace(
-        name="digits", model="wide", dataset="digits", build=lambda: build_model("wide", x.shape[1]),
+        name="digits", model=model, dataset="digits", build=lambda: build_model(model, x.shape[1]),
         make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), batch=batch,
         loss=lambda out, target: F.cross_entropy(out, target), metrics=metrics, clip=0.0, lr_at=None)
 
@@ -189,7 +190,7 @@ def worker(a):
     rank, size, local_rank = init_group(a)
     torch.set_num_threads(1)
     total = a.warmup + a.rounds * a.turn
-    task = digits_task(rank, size, a.batch_size) if a.example == "digits" else lm_task(rank, size, a.batch_size, total)
+    task = digits_task(rank, size, a.batch_size, a.model) if a.example == "digits" else lm_task(rank, size, a.batch_size, total)
     arms = []
     for mode in a.modes:
         torch.manual_seed(0)
@@ -253,7 +254,7 @@ def rows_of(record, bandwidth, hosts):
     step on the counted interface; ``interhost_bytes``: all hosts' tx on it per step, with hosts)."""
     rows = []
     for mode, m in record["modes"].items():
-        q = statistics.quantiles(m["step_s"], n=10) if len(m["step_s"]) > 1 else m["step_s"] * 9
+        q = statistics.quantiles(m["step_s"], n=10, method="inclusive") if len(m["step_s"]) > 1 else m["step_s"] * 9
         per_step = statistics.median(m["bytes"])
         rows.append({"example": record["example"], "ranks": record["ranks"], "hosts": hosts, "bandwidth": bandwidth,
                      "cycle_ms": None, "repeat": 0, "label": mode, "ratio": None, "status": "ok", "error": "",
@@ -294,7 +295,7 @@ def report(rows, command):
 # -- the driver ---------------------------------------------------------------------------------------
 def worker_argv(a, json_out, iface):
     return [sys.executable, "-m", "bench.ddp_hooks", "--worker", "--json-out", json_out, "--iface", iface,
-            "--example", a.example, "--modes", ",".join(a.modes), "--warmup", str(a.warmup),
+            "--example", a.example, "--model", a.model, "--modes", ",".join(a.modes), "--warmup", str(a.warmup),
             "--rounds", str(a.rounds), "--turn", str(a.turn), "--batch-size", str(a.batch_size),
             "--powersgd-layout", a.powersgd_layout, "--master-port", str(a.master_port),
             "--gloo-timeout", str(a.gloo_timeout)]
@@ -351,6 +352,8 @@ def driver(a):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--example", choices=EXAMPLES, default="digits", help="digits: the wide CNN; lm: char_lm's GPT")
+    p.add_argument("--model", choices=("wide", "cnn"), default="wide",
+                   help="digits: the wide CNN (6.3M parameters) or the small one (0.15M, for tests)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     p.add_argument("--bandwidth", default="100mbit", help=f"of {list(BANDWIDTHS)}: tbf on lo, or on every eth0")
     p.add_argument("--np", type=int, default=2, help="ranks on this host (without --hosts)")
