@@ -31,7 +31,8 @@ own; the barriers' few hundred bytes are counted with them. Step time: rank 0's 
 Ranks come from the launcher's environment (horovodrun/mpirun, as bench/infra/launch.py starts them,
 or torchrun); no Horovod collective is used.
 
-    python -m bench.ddp_hooks --example digits --bandwidth 100mbit --rounds 20 --out bench/results/ddp_hooks_digits_100mbit
+    python -m bench.ddp_hooks --example digits --bandwidth 100mbit --rounds 20 \
+        --out bench/results/ddp_hooks_digits_100mbit
     python -m bench.ddp_hooks --hosts 2 --bandwidth 100mbit ...    # 2 emulated hosts x --slots ranks
 """
 import argparse
@@ -114,7 +115,8 @@ def digits_task(rank, size, batch_size, model="wide"):
         with torch.no_grad():
             out = model(xt)
         model.train()
-        return {"test_loss": F.cross_entropy(out, yt).item(), "test_accuracy": (out.argmax(1) == yt).float().mean().item()}
+        return {"test_loss": F.cross_entropy(out, yt).item(),
+                "test_accuracy": (out.argmax(1) == yt).float().mean().item()}
 
     return types.SimpleNamespace(
         name="digits", model=model, dataset="digits", build=lambda: build_model(model, x.shape[1]),
@@ -155,8 +157,6 @@ def lm_task(rank, size, batch_size, total_steps):
 
 def wrap(model, mode, a):
     """``model`` in DDP with ``mode``'s hook; returns (ddp, powersgd state or None, bucket_cap_mb)."""
-    import torch
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -174,7 +174,7 @@ def wrap(model, mode, a):
                                start_powerSGD_iter=START_POWERSGD_ITER)
     hook = psgd.powerSGD_hook
     if a.powersgd_layout == "serial":
-        def serial_powerSGD_hook(state: psgd.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        def serial_powerSGD_hook(state, bucket):      # DDP requires the name `bucket`
             fut = psgd.powerSGD_hook(state, bucket)
             fut.wait()       # this bucket's P and Q allreduces are done before the next bucket's hook starts
             return fut
@@ -190,7 +190,10 @@ def worker(a):
     rank, size, local_rank = init_group(a)
     torch.set_num_threads(1)
     total = a.warmup + a.rounds * a.turn
-    task = digits_task(rank, size, a.batch_size, a.model) if a.example == "digits" else lm_task(rank, size, a.batch_size, total)
+    if a.example == "digits":
+        task = digits_task(rank, size, a.batch_size, a.model)
+    else:
+        task = lm_task(rank, size, a.batch_size, total)
     arms = []
     for mode in a.modes:
         torch.manual_seed(0)
@@ -285,9 +288,10 @@ def report(rows, command):
     for r in rows:
         acc = "-" if r["test_accuracy"] is None else f"{r['test_accuracy']:.4f}"
         inter = "-" if r["interhost_bytes"] is None else f"{r['interhost_bytes']:,.0f}"
+        of_ddp = f"{r['bytes_vs_ddp']:.3f}x" if "bytes_vs_ddp" in r else "-"       # no ddp row in the job
         L.append(f"| {r['example']} | {r['bandwidth']} | {r['ranks']} | {r['label']} | {1e3 * r['step_s']:,.1f} "
                  f"({1e3 * r['step_s_p10']:,.1f}-{1e3 * r['step_s_p90']:,.1f}) | {r['link_bytes']:,.0f} | "
-                 f"{r.get('bytes_vs_ddp', 1):.3f}x | {inter} | {acc} | {r['test_loss']:.4f} | "
+                 f"{of_ddp} | {inter} | {acc} | {r['test_loss']:.4f} | "
                  f"{'yes' if r['params_identical'] else 'NO'} |")
     return "\n".join(L) + "\n"
 

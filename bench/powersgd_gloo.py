@@ -31,7 +31,8 @@ VARIANTS = {"none": ({}, {}), "gradient_as_bucket_view": ({"gradient_as_bucket_v
             "static_graph": ({"static_graph": True}, {}), "float64": ({}, {}),
             "no_error_feedback_no_warm_start": ({}, {"use_error_feedback": False, "warm_start": False}),
             "orthogonalization_epsilon": ({}, {"orthogonalization_epsilon": 1e-8}),
-            "rank1": ({}, {"matrix_approximation_rank": 1}), "min_compression_rate_1": ({}, {"min_compression_rate": 1})}
+            "rank1": ({}, {"matrix_approximation_rank": 1}),
+            "min_compression_rate_1": ({}, {"min_compression_rate": 1})}
 
 
 def rank_main(rank, case, variant, threads, port, result_dir):
@@ -53,7 +54,7 @@ def rank_main(rank, case, variant, threads, port, result_dir):
     state = psgd.PowerSGDState(None, **{"matrix_approximation_rank": 4, "start_powerSGD_iter": 2, **state_options})
     hook = psgd.batched_powerSGD_hook if case == "batched" else psgd.powerSGD_hook
     if case == "serial":
-        def serial_powerSGD_hook(state: psgd.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        def serial_powerSGD_hook(state, bucket):      # DDP requires the name `bucket`
             fut = psgd.powerSGD_hook(state, bucket)
             fut.wait()
             return fut
@@ -84,7 +85,8 @@ def run_case(case, variant, threads, timeout):
         port = s.getsockname()[1]
         s.close()
         procs = [subprocess.Popen([sys.executable, "-m", "bench.powersgd_gloo", "--rank", str(r), "--cases", case,
-                                   "--variant", variant, "--threads", str(threads), "--port", str(port), "--result-dir", tmp],
+                                   "--variant", variant, "--threads", str(threads), "--port", str(port),
+                                   "--result-dir", tmp],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
         outcome = {"case": case, "variant": variant, "threads": threads}
         try:
