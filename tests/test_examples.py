@@ -1,6 +1,7 @@
 """The examples' data readers, non-IID sharding, models, and real 2-rank jobs of examples/digits_cnn.py
 (MNIST and CIFAR-10 from small synthetic files in the real formats, digits non-IID with hvd_topk, a
-time budget), checked against the JSON contract of examples/common.py."""
+time budget), checked against the JSON contract of examples/common.py; and no example reaching
+outside examples/."""
 import gzip
 import json
 import os
@@ -314,3 +315,15 @@ def test_missing_data_files_fail_with_a_clear_message(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 1
     assert "data_batch_1.bin: missing" in proc.stderr and "CIFAR-10 binary version" in proc.stderr
+
+
+
+# -- the examples stand alone ----------------------------------------------------------------------
+def test_examples_stand_alone():
+    """What a user copies runs from its own folder: no example edits sys.path or imports bench/ (the
+    repository's tooling, not part of the package)."""
+    for name in sorted(os.listdir(EXAMPLES)):
+        if name.endswith(".py"):
+            source = pathlib.Path(EXAMPLES, name).read_text()
+            assert not re.search(r"sys\.path\s*(\.\w+\(|\[|\+?=)", source), f"examples/{name} edits sys.path"
+            assert not re.search(r"^\s*(from|import) bench\b", source, re.M), f"examples/{name} imports bench"
