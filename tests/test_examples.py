@@ -1,12 +1,13 @@
 """The examples' data readers, non-IID sharding, models, and real 2-rank jobs of examples/digits_cnn.py
 (MNIST and CIFAR-10 from small synthetic files in the real formats, digits non-IID with hvd_topk, a
-time budget), checked against the JSON contract of examples/common.py; and no example reaching
-outside examples/."""
+time budget), checked against the JSON contract of examples/common.py; the copyable example
+examples/pytorch_digits_topkef.py trained under horovodrun; and no example reaching outside examples/."""
 import gzip
 import json
 import os
 import pathlib
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -327,3 +328,40 @@ def test_examples_stand_alone():
             source = pathlib.Path(EXAMPLES, name).read_text()
             assert not re.search(r"sys\.path\s*(\.\w+\(|\[|\+?=)", source), f"examples/{name} edits sys.path"
             assert not re.search(r"^\s*(from|import) bench\b", source, re.M), f"examples/{name} imports bench"
+
+
+# -- the copyable example --------------------------------------------------------------------------
+COPYABLE = os.path.join(EXAMPLES, "pytorch_digits_topkef.py")
+
+
+def test_copyable_example_is_one_screen():
+    """The example to copy stays one screen, with TopKEF in Horovod's own optimizer."""
+    source = pathlib.Path(COPYABLE).read_text()
+    assert len(source.splitlines()) <= 60
+    assert "hvd.DistributedOptimizer(" in source and "compression=TopKEF(" in source
+
+
+@pytest.mark.multirank
+def test_copyable_example_trains_with_identical_parameters():
+    """horovodrun -np 2 --gloo python examples/pytorch_digits_topkef.py, as its docstring launches it
+    (4 epochs): the averaged test accuracy ends far above chance (0.1) and both ranks print the same
+    checksum of their parameters."""
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"   # the venv's
+    argv = [horovodrun, "-np", "2", "--gloo", sys.executable, COPYABLE, "--epochs", "4"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        import psutil
+        for child in psutil.Process(proc.pid).children(recursive=True):   # the ranks: sessions of their own
+            child.kill()
+        proc.kill()
+        text, _ = proc.communicate()
+        pytest.fail(f"no result in 150 s:\n{text[-3000:]}")
+    assert proc.returncode == 0, text[-3000:]
+    accuracies = [float(a) for a in re.findall(r"epoch \d+/4: test accuracy ([\d.]+)", text)]
+    checksums = dict(re.findall(r"rank (\d): parameters sha256 (\w+)", text))
+    print(f"\ncopyable example, 2 ranks: test accuracy per epoch {accuracies}, checksums {checksums}")
+    assert len(accuracies) == 4 and accuracies[-1] >= 0.85, text[-3000:]
+    assert set(checksums) == {"0", "1"} and checksums["0"] == checksums["1"], checksums
