@@ -318,6 +318,15 @@ def test_missing_data_files_fail_with_a_clear_message(tmp_path):
     assert "data_batch_1.bin: missing" in proc.stderr and "CIFAR-10 binary version" in proc.stderr
 
 
+def test_hvd_topk_flags_without_hvd_topk_are_a_usage_error():
+    """A flag only hvd_topk.DistributedOptimizer has, given to stock Horovod, stops the run before any
+    training with argparse's usage error, naming the flags."""
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), "--compression", "topkef",
+                           "--dense-steps", "3", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--dense-steps" in proc.stderr and "need --compression hvd_topk" in proc.stderr
+
+
 
 # -- the examples stand alone ----------------------------------------------------------------------
 def test_examples_stand_alone():
