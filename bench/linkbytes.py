@@ -1,8 +1,9 @@
 """Link bytes: what a scheme must put on the link (``theoretical_bytes``) and what one run measured.
 
 The measured side is the loopback's kernel counters, read by the example's rank 0 at every step
-boundary (``bench.infra.wire.loopback_bytes``, in examples/common.py); here they are cut to the measured
-steps (after the warm-up and auto's trial) and set against the payload the scheme must send.
+boundary (``loopback_tx_bytes`` in examples/common.py, the counter ``bench.infra.wire.loopback_bytes``
+reads); here they are cut to the measured steps (after the warm-up and auto's trial) and set against
+the payload the scheme must send.
 """
 import statistics
 

@@ -258,12 +258,34 @@ def build_parser():
     return p
 
 
+def distributed_optimizer(args, model, base):
+    """``base`` made distributed as --compression says: dense or fp16 Horovod, TopKEF in Horovod's own
+    optimizer, or hvd_topk.DistributedOptimizer."""
+    import horovod.torch as hvd
+    import hvd_topk
+    from common import hvd_topk_options
+    from hvd_topk import TopKEF
+
+    if args.compression == "hvd_topk":
+        return hvd_topk.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(),
+            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget),
+            **hvd_topk_options(args))
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(args.compression)
+    if args.compression == "topkef":
+        compression = TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget,
+                             named_parameters=model.named_parameters(), communication=args.communication)
+    return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
+                                    groups=args.groups or None)
+
+
 def main():
     import horovod.torch as hvd
-    from common import RunLog, make_distributed_optimizer
+    from common import RunLog, check_compression_args
 
     p = build_parser()
     args = p.parse_args()
+    check_compression_args(p, args)
     for flag in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "steps", "eval_windows"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -292,7 +314,7 @@ def main():
         base = torch.optim.AdamW(groups, lr=lr_at(0, args), betas=(0.9, 0.99))
     else:
         base = torch.optim.SGD(groups, lr=lr_at(0, args), momentum=args.momentum)
-    opt, _ = make_distributed_optimizer(args, model, base)
+    opt = distributed_optimizer(args, model, base)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 

@@ -1,12 +1,14 @@
-"""What the examples share: compression and run flags, the distributed optimizer, and the run log.
+"""What digits_cnn.py and char_lm.py share: their compression and run flags, and the run log.
 
 The examples import it as ``from common import ...`` (``python examples/x.py`` puts examples/ on
-sys.path). A training loop built on it:
+sys.path). Each script builds its own optimizer from the flags (``hvd.DistributedOptimizer`` or
+``hvd_topk.DistributedOptimizer``, with ``hvd_topk_options(args)`` for the second's many options),
+then runs a training loop built on the run log:
 
     p = argparse.ArgumentParser()
     add_compression_args(p); add_run_args(p)
-    args = p.parse_args()
-    opt, comp = make_distributed_optimizer(args, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    args = p.parse_args(); check_compression_args(p, args)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=...)
     log = RunLog(args, example="digits_cnn", model=model, model_name="cnn", dataset="digits")
     log.start()                                   # barrier; the clock and the link counters start
     while not log.should_stop(log.step):          # --max-steps / --time-budget, same on every rank
@@ -19,31 +21,22 @@ sys.path). A training loop built on it:
             log.eval_point(log.step, epoch, test_loss, test_acc)
     log.finish(model, {"test_loss": test_loss, "test_accuracy": test_acc})   # checks, JSON
 
-Bytes come from the loopback's kernel counters (``bench.infra.wire.loopback_bytes``): run the job in a
-private network namespace (examples/demo.py and the benchmarks do) so that they count this job's
+Bytes come from the loopback's kernel counters (``loopback_tx_bytes``): run the job in a private
+network namespace (``python -m bench.demo`` and the benchmarks do) so that they count this job's
 traffic only, every rank's together.
 """
 import contextlib
 import json
 import logging
-import os
-import sys
 import time
 
-# The examples run as plain scripts (python examples/x.py under horovodrun, mpirun or srun), so only
-# examples/ is on sys.path; the loopback counters live in the repository's bench/infra tooling, which
-# is not part of the installed package: put the repository root on the path to import it.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import horovod.torch as hvd
+import torch
 
-import horovod.torch as hvd  # noqa: E402
-import torch  # noqa: E402
+import hvd_topk.stats
 
-import hvd_topk  # noqa: E402
-import hvd_topk.stats  # noqa: E402
-from bench.infra.wire import loopback_bytes  # noqa: E402
-from hvd_topk import TopKEF  # noqa: E402
-
-__all__ = ["add_compression_args", "add_run_args", "make_distributed_optimizer", "RunLog"]
+__all__ = ["add_compression_args", "add_run_args", "check_compression_args", "hvd_topk_options",
+           "loopback_tx_bytes", "RunLog"]
 
 
 def add_compression_args(parser):
@@ -107,52 +100,50 @@ def add_run_args(parser):
     return parser
 
 
-def make_distributed_optimizer(args, model, base_opt):
-    """Wrap ``base_opt`` as ``args.compression`` says.
+def check_compression_args(parser, args):
+    """Exit with a usage error when a flag only hvd_topk.DistributedOptimizer has is given without
+    --compression hvd_topk."""
+    if args.compression != "hvd_topk" and (
+            args.adaptive_ratio or args.communication == "auto" or args.dense_steps or args.compress != "gradient"
+            or args.local_momentum != "on" or args.value_dtype != "float32"):
+        parser.error("--adaptive-ratio, --communication auto, --dense-steps, --compress update, "
+                     "--local-momentum off and --value-dtype float16 need --compression hvd_topk")
 
-    Args:
-        args: parsed flags of ``add_compression_args``.
-        model: the model whose ``named_parameters()`` name the gradients.
-        base_opt: the torch optimizer to wrap.
 
-    Returns:
-        (opt, comp): the distributed optimizer, and the TopKEF instance given to stock Horovod for
-        ``--compression topkef`` (it holds this rank's residuals: save it with checkpoints), else None.
-        hvd_topk.DistributedOptimizer keeps its residuals in its own ``state_dict()``.
+def hvd_topk_options(args):
+    """hvd_topk.DistributedOptimizer's keyword arguments from the flags of ``add_compression_args``,
+    all but ``named_parameters`` and ``compression``; on rank 0, turns on the log of automatic
+    decisions (--adaptive-ratio, --communication auto).
 
     Example (``args`` from this file's parser)::
 
-        opt, comp = make_distributed_optimizer(args, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                            compression=TopKEF(ratio=args.ratio), **hvd_topk_options(args))
     """
-    named = list(model.named_parameters())
-    if args.compression == "hvd_topk":
-        if hvd.rank() == 0 and (args.adaptive_ratio or args.communication == "auto"):
-            logging.basicConfig(format="%(message)s")
-            logging.getLogger("hvd_topk").setLevel(logging.INFO)     # rank 0 logs each auto decision
-        opt = hvd_topk.DistributedOptimizer(
-            base_opt, named_parameters=named,
-            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget),
-            communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
-            dense_steps=args.dense_steps, selection=args.selection,
-            momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
-            adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every, compress=args.compress,
-            local_momentum=args.local_momentum == "on",
-            value_dtype=torch.float16 if args.value_dtype == "float16" else None, groups=args.groups or None,
-            **({} if args.adaptive_weight is None else {"adaptive_weight": args.adaptive_weight}))
-        return opt, None
-    if (args.adaptive_ratio or args.communication == "auto" or args.dense_steps or args.compress != "gradient"
-            or args.local_momentum != "on" or args.value_dtype != "float32"):
-        raise ValueError("--adaptive-ratio, --communication auto, --dense-steps, --compress update, "
-                         "--local-momentum off and --value-dtype float16 need --compression hvd_topk")
-    comp = None
-    if args.compression == "topkef":
-        comp = TopKEF(ratio=args.ratio, min_numel=args.min_numel, named_parameters=named,
-                      communication=args.communication, budget=args.budget)
-        compression = comp
-    else:
-        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
-    return hvd.DistributedOptimizer(base_opt, named_parameters=named, compression=compression,
-                                    groups=args.groups or None), comp
+    if hvd.rank() == 0 and (args.adaptive_ratio or args.communication == "auto"):
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("hvd_topk").setLevel(logging.INFO)     # rank 0 logs each auto decision
+    options = dict(
+        communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
+        dense_steps=args.dense_steps, selection=args.selection,
+        momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
+        adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every, compress=args.compress,
+        local_momentum=args.local_momentum == "on",
+        value_dtype=torch.float16 if args.value_dtype == "float16" else None, groups=args.groups or None)
+    if args.adaptive_weight is not None:
+        options["adaptive_weight"] = args.adaptive_weight
+    return options
+
+
+def loopback_tx_bytes():
+    """Bytes sent on the loopback so far, by every process of this network namespace: the kernel's
+    counter in /proc/net/dev (the benchmarks read the same counter with bench/infra/wire.py)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, fields = line.partition(":")
+            if name.strip() == "lo":
+                return int(fields.split()[8])
+    raise RuntimeError("no loopback interface 'lo' in /proc/net/dev")
 
 
 class RunLog:
@@ -215,7 +206,7 @@ class RunLog:
         """Barrier, then start the training clock and the link counters."""
         hvd.allreduce(torch.zeros(1), name="runlog.start")
         self.t0 = time.perf_counter()
-        self.tx0 = self.tx_prev = loopback_bytes()[0]
+        self.tx0 = self.tx_prev = loopback_tx_bytes()
 
     def wall(self):
         """Training wall clock so far: seconds since ``start()`` less the time spent ``paused()``."""
@@ -242,7 +233,7 @@ class RunLog:
             loss: the step's training loss (tensor or number) for TensorBoard, or None.
         """
         t = time.perf_counter()
-        tx = loopback_bytes()[0]
+        tx = loopback_tx_bytes()
         self.step += 1
         if self.rank != 0:
             return
@@ -297,7 +288,7 @@ class RunLog:
         the curve and the stats (thousands of numbers). Returns the record (on every rank; the lists
         only on rank 0)."""
         hvd.allreduce(torch.zeros(1), name="runlog.end")
-        wall, tx = self.wall(), loopback_bytes()[0]
+        wall, tx = self.wall(), loopback_tx_bytes()
         if self.writer is not None:
             self.writer.close()
         # Parameters must be identical on every rank: compare against rank 0's.

@@ -37,8 +37,8 @@ which slurm/*.sbatch requeue the job; a run that finds the files resumes where t
 Rank 0 writes the run's record to --json-out: its settings, per-step times and link bytes, the test
 curve and the final figures (examples/common.py, RunLog); stdout gets one summary line (JSON, the
 final figures only) and, under horovodrun, one progress line per epoch. Bytes per step come from the
-loopback's interface counters; run it in a private network namespace (examples/demo.py does) so that
-they count this job's traffic only. BatchNorm statistics (resnet18) are per rank; rank 0 evaluates.
+loopback's interface counters; run it in a private network namespace (python -m bench.demo does) so
+that they count this job's traffic only. BatchNorm statistics (resnet18) are per rank; rank 0 evaluates.
 """
 import argparse
 import glob
@@ -54,7 +54,8 @@ from tqdm import tqdm
 
 import hvd_topk
 import hvd_topk.checkpoint
-from common import RunLog, add_compression_args, add_run_args, make_distributed_optimizer
+from common import RunLog, add_compression_args, add_run_args, check_compression_args, hvd_topk_options
+from hvd_topk import TopKEF
 from data import DATASETS, label_histogram, load_dataset, shard_partition
 
 # -- arguments (one screen) ----------------------------------------------------------------------
@@ -165,8 +166,7 @@ def main():
                                weight_decay=args.weight_decay)
     else:
         base = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    # comp: the TopKEF instance given to stock Horovod (it holds this rank's residuals), else None.
-    opt, comp = make_distributed_optimizer(args, model, base)
+    opt, comp = distributed_optimizer(model, base)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     resumed = resume(model, opt, comp) if args.checkpoint else None   # hvd_topk's: in opt.state_dict()
@@ -253,6 +253,26 @@ def main():
     log.finish(model, result)
 
 
+def distributed_optimizer(model, base):
+    """``base`` made distributed as --compression says: (optimizer, comp). comp is the TopKEF given to
+    stock Horovod (it holds this rank's residuals: checkpoints save it), else None; hvd_topk's
+    optimizer keeps its residuals in its own state_dict()."""
+    if args.compression == "hvd_topk":
+        opt = hvd_topk.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(),
+            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget),
+            **hvd_topk_options(args))
+        return opt, None
+    comp = None
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(args.compression)
+    if args.compression == "topkef":
+        comp = compression = TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget,
+                                    named_parameters=model.named_parameters(), communication=args.communication)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
+                                   groups=args.groups or None)
+    return opt, comp
+
+
 def evaluate_point(log, model, x, y, steps_per_epoch):
     """Rank 0 evaluates (outside the training clock) and adds a curve point at (steps, epochs done):
     (loss, acc); None on the other ranks."""
@@ -321,4 +341,5 @@ def evaluate(model, x, y):
 
 if __name__ == "__main__":
     args = p.parse_args()
+    check_compression_args(p, args)
     main()

@@ -10,19 +10,15 @@ hvd_topk's per-rank residuals, and every reset brings the ranks back in step (do
         --network-interface lo python examples/elastic_digits.py --epochs 20
 """
 import argparse
-import os
-import sys
 
 import horovod.torch as hvd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # examples/ as a script: its data module
-from data import load_dataset  # noqa: E402
-
-import hvd_topk  # noqa: E402
-from hvd_topk import TopKEF  # noqa: E402
+import hvd_topk
+from data import load_dataset   # examples/data.py, beside this file
+from hvd_topk import TopKEF
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--epochs", type=int, default=20)

@@ -1,11 +1,13 @@
 """The examples' data readers, non-IID sharding, models, and real 2-rank jobs of examples/digits_cnn.py
 (MNIST and CIFAR-10 from small synthetic files in the real formats, digits non-IID with hvd_topk, a
-time budget), checked against the JSON contract of examples/common.py."""
+time budget), checked against the JSON contract of examples/common.py; the copyable example
+examples/pytorch_digits_topkef.py trained under horovodrun; and no example reaching outside examples/."""
 import gzip
 import json
 import os
 import pathlib
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -314,3 +316,61 @@ def test_missing_data_files_fail_with_a_clear_message(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 1
     assert "data_batch_1.bin: missing" in proc.stderr and "CIFAR-10 binary version" in proc.stderr
+
+
+def test_hvd_topk_flags_without_hvd_topk_are_a_usage_error():
+    """A flag only hvd_topk.DistributedOptimizer has, given to stock Horovod, stops the run before any
+    training with argparse's usage error, naming the flags."""
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), "--compression", "topkef",
+                           "--dense-steps", "3", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--dense-steps" in proc.stderr and "need --compression hvd_topk" in proc.stderr
+
+
+
+# -- the examples stand alone ----------------------------------------------------------------------
+def test_examples_stand_alone():
+    """What a user copies runs from its own folder: no example edits sys.path or imports bench/ (the
+    repository's tooling, not part of the package)."""
+    for name in sorted(os.listdir(EXAMPLES)):
+        if name.endswith(".py"):
+            source = pathlib.Path(EXAMPLES, name).read_text()
+            assert not re.search(r"sys\.path\s*(\.\w+\(|\[|\+?=)", source), f"examples/{name} edits sys.path"
+            assert not re.search(r"^\s*(from|import) bench\b", source, re.M), f"examples/{name} imports bench"
+
+
+# -- the copyable example --------------------------------------------------------------------------
+COPYABLE = os.path.join(EXAMPLES, "pytorch_digits_topkef.py")
+
+
+def test_copyable_example_is_one_screen():
+    """The example to copy stays one screen, with TopKEF in Horovod's own optimizer."""
+    source = pathlib.Path(COPYABLE).read_text()
+    assert len(source.splitlines()) <= 60
+    assert "hvd.DistributedOptimizer(" in source and "compression=TopKEF(" in source
+
+
+@pytest.mark.multirank
+def test_copyable_example_trains_with_identical_parameters():
+    """horovodrun -np 2 --gloo python examples/pytorch_digits_topkef.py, as its docstring launches it
+    (4 epochs): the averaged test accuracy ends far above chance (0.1) and both ranks print the same
+    checksum of their parameters."""
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"   # the venv's
+    argv = [horovodrun, "-np", "2", "--gloo", sys.executable, COPYABLE, "--epochs", "4"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        import psutil
+        for child in psutil.Process(proc.pid).children(recursive=True):   # the ranks: sessions of their own
+            child.kill()
+        proc.kill()
+        text, _ = proc.communicate()
+        pytest.fail(f"no result in 150 s:\n{text[-3000:]}")
+    assert proc.returncode == 0, text[-3000:]
+    accuracies = [float(a) for a in re.findall(r"epoch \d+/4: test accuracy ([\d.]+)", text)]
+    checksums = dict(re.findall(r"rank (\d): parameters sha256 (\w+)", text))
+    print(f"\ncopyable example, 2 ranks: test accuracy per epoch {accuracies}, checksums {checksums}")
+    assert len(accuracies) == 4 and accuracies[-1] >= 0.85, text[-3000:]
+    assert set(checksums) == {"0", "1"} and checksums["0"] == checksums["1"], checksums

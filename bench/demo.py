@@ -4,9 +4,11 @@ Each run happens in a private network namespace, so the loopback counters measur
 the job puts on the link. Shows one progress line per few epochs, then one table: test accuracy,
 bytes per rank per step, wall time; and what to run next.
 
-    python examples/demo.py                 # as root: measured in a private network namespace
-    python examples/demo.py --epochs 5 --ratio 0.001
-    python examples/demo.py --across-hosts  # as root: 2 emulated hosts (scripts/hosts.sh), bytes on eth0
+    python -m bench.demo                    # as root: measured in a private network namespace
+    python -m bench.demo --epochs 5 --ratio 0.001
+    python -m bench.demo --across-hosts     # as root: 2 emulated hosts (scripts/hosts.sh), bytes on eth0
+
+bash scripts/demo.sh runs it after installing what is missing.
 """
 import argparse
 import contextlib
@@ -17,14 +19,11 @@ import sys
 import tempfile
 import time
 
-# Run as a script: put the repository root on sys.path for the bench/infra tooling (jobs, namespaces).
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.constants import ROOT
+from bench.infra.hosts import EmulatedHosts
+from bench.infra.launch import JobFailed, run_job
+from bench.infra.wire import Namespace, can_make_namespace
 
-from bench.infra.hosts import EmulatedHosts  # noqa: E402
-from bench.infra.launch import JobFailed, run_job  # noqa: E402
-from bench.infra.wire import Namespace, can_make_namespace  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 EPOCH_LINE = re.compile(r"^\[0\]<stdout>:(epoch (\d+)/(\d+): .*)$")   # digits_cnn.py's progress, rank 0
 
 
@@ -74,7 +73,7 @@ def run(mode, args, isolated, hosts=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "result.json")
-        argv = [sys.executable, os.path.join(HERE, "digits_cnn.py"), "--compression", mode,
+        argv = [sys.executable, os.path.join(ROOT, "examples", "digits_cnn.py"), "--compression", mode,
                 "--ratio", str(args.ratio), "--epochs", str(args.epochs), "--json-out", out_json]
         t0 = time.perf_counter()
         try:
