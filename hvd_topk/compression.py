@@ -42,7 +42,7 @@ from .validate import check_choice, check_int, check_number
 
 __all__ = ["TopKEF", "STOCK_COMMUNICATIONS"]
 
-STOCK_COMMUNICATIONS = ("split_reduce", "allgather", "artopk", "dense")
+STOCK_COMMUNICATIONS = ("split_reduce", "hierarchical", "allgather", "artopk", "dense")
 
 
 _MISMATCH_HINT = ("without named_parameters TopKEF matches gradients by their position in the step, and the "
@@ -166,6 +166,8 @@ class TopKEF(Compressor):
         self.communication = check_choice("communication", communication, STOCK_COMMUNICATIONS)
         self.budget = check_number("budget", budget, low=1, what="(multiple of k kept by split_reduce)")
         self.sync_indices = bool(sync_indices)
+        if self.communication == "hierarchical" and process_set is not mpi_ops.global_process_set:
+            raise ValueError("communication='hierarchical' needs the global process set (it builds its own per host)")
         # state, per rank
         self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
         self.memory = ResidualMemory()        # key -> residual

@@ -25,6 +25,7 @@ from .leaders import StarLeaders
 from .op_token import OpToken
 from .regions import Regions
 from .transports import ARTopk, SparseAllgather, SplitReduce
+from .transports.hierarchical import hierarchical_or_flat
 
 __all__ = ["CompressorTransports"]
 
@@ -53,6 +54,8 @@ class CompressorTransports:
         self.own = {"split_reduce": SplitReduce(collectives, False, Regions(), f"{tag}.split",
                                                 mismatch_hint=mismatch_hint, budget=budget),
                     "allgather": SparseAllgather(collectives, False, name=f"{tag}.allgather")}
+        if communication == "hierarchical":           # collective: finds the hosts' process sets
+            self.own["hierarchical"] = hierarchical_or_flat(self.own["split_reduce"], f"{tag}.hier", False)
         self.token = OpToken(process_set, mismatch_hint=mismatch_hint)
 
     def before_gradient(self):
@@ -96,6 +99,8 @@ class CompressorTransports:
         """An abandoned step (elastic reset): only an empty start is the same on every rank."""
         self.index_sets.forget()
         self.own["split_reduce"].forget()
+        if "hierarchical" in self.own:
+            self.own["hierarchical"].forget()
         self.steps.clear()
 
     def state_dict(self):

@@ -34,12 +34,13 @@ from .schedule import DensitySchedule
 from .stats import StepStats
 from .regions import Regions
 from .transports import ARTopk, Dense, SparseAllgather, SplitReduce
+from .transports.hierarchical import hierarchical_or_flat
 from .update import update_step
 from .validate import check_choice, check_int, check_number
 
 __all__ = ["DistributedOptimizer", "COMMUNICATIONS", "LEADERS", "SELECTIONS", "COMPRESSES"]
 
-COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "dense", "auto")
+COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto")
 COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
@@ -177,6 +178,9 @@ def _build(config, *, names, schedule, tuner, leader, reduction, value_dtype, pr
                                               budget=budget),
                   "dense": Dense(collectives, reduction, value_dtype, name="values"),
                   "plain": Dense(collectives, reduction, None, name="dense")}
+    if config.communication == "hierarchical":          # collective: finds the hosts' process sets
+        transports["hierarchical"] = hierarchical_or_flat(transports["split_reduce"], f"{tag}.hier", average,
+                                                          collectives.start_pending)
     units = StepUnits(schedule=schedule, tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(),
                       leaders=leaders, index_sets=index_sets, collectives=collectives, transports=transports,
                       bucket=GlobalBucket(), stats=stats)
@@ -236,6 +240,9 @@ def _checked(*, optimizer, compression, backward_passes_per_step, op, gradient_p
     check_number("adaptive_weight", adaptive_weight, low=0)
     check_int("auto_every", auto_every, low=2)
     tuner = None
+    if communication == "hierarchical" and (ratios is not None or process_set is not mpi_ops.global_process_set):
+        raise ValueError("communication='hierarchical' needs the global process set (it builds its own per "
+                         "host) and no adaptive_ratio (its gains are not measured)")
     if (communication == "auto" or ratios is not None) and process_set is not mpi_ops.global_process_set:
         raise ValueError("communication='auto' and adaptive_ratio need the global process set (their probe "
                          "and decisions run over all ranks)")
