@@ -9,8 +9,9 @@ Inside a host ranks share memory; between hosts the link is slow. With L ranks o
    an existing sparse transport (``SplitReduce`` by default) over the cross set: the ranks at position
    j on every host, one per host. Only this step crosses the slow link: each host sends k entries in
    all, not k per rank.
-3. Host: an allgather over the host set of every shard's aggregate (+ a finite flag, + the entries the
-   host nominated) gives every rank the same dense aggregate, bit for bit.
+3. Host: an allgather over the host set of every shard's kept entries (value, index rows: about k/L
+   per shard, not the shard), a finite flag and the entries the host nominated gives every rank the
+   same dense aggregate, bit for bit.
 
 Error feedback per shard. A rank's residual is zero outside its shard, so the reduce-scatter of the
 ranks' accumulators (gradient + residual) adds exactly the owner's residual to the host's sum of the
@@ -35,7 +36,7 @@ from ..comm import Collectives
 from ..sparsify import sq_norm_finite
 from . import Outcome, Started
 from .host_sets import resolve
-from .split_reduce import SplitReduce
+from .split_reduce import SplitReduce, from_rows, to_rows
 
 __all__ = ["Hierarchical", "hierarchical_or_flat", "shard_of"]
 
@@ -109,36 +110,43 @@ class Hierarchical:
         m, start, real, k_shard = shard_of(n, self.sets.per_host, self.sets.position, k)
         own = mpi_ops.synchronize(handle)[:real].to(acc.dtype)
         started = self.inner.start(key, own, k_shard, sq_norm_finite(own)[1]) if real else None
-        return acc, own, start, m, started
+        return acc, own, start, started
 
-    def _start_gather(self, key, acc, own, start, m, started):
-        """Step 3's start: [shard aggregate (m, zero-padded), flag] and the host's nominated entries
-        (global int32 indices, one pad n) go to every rank of the host."""
+    def _start_gather(self, key, acc, own, start, started):
+        """Step 3's start: every rank of the host gets this shard's kept entries as rows (value, global
+        index), with one flag row (index n, value 1 if some rank was non-finite), and the entries the
+        host nominated (global int32 indices, one pad n). Sparse: the shard's aggregate has about
+        k/L non-zeros, so the host exchanges those, not the shard."""
         n = acc.numel()
         out = started.finish() if started is not None else Outcome(own.new_zeros(0), own.new_zeros(0, dtype=torch.long))
-        values = own.new_zeros(m + 1)
         if out.aggregate is None:
-            values[m] = 1.0
+            kept, values, flag = own.new_zeros(0, dtype=torch.long), own.new_zeros(0), 1.0
         else:
-            values[:own.numel()] = out.aggregate
+            kept = out.aggregate.nonzero().reshape(-1)
+            values, flag = out.aggregate.index_select(0, kept), 0.0
+        rows = to_rows(torch.cat([values, values.new_full((1,), flag)]).cpu(),
+                       torch.cat([kept.cpu() + start, torch.tensor([n])]))
         chosen = out.sent if out.selected is None else out.selected
         chosen = torch.arange(own.numel()) if chosen is None else chosen.cpu()
         nominated = torch.cat([chosen + start, torch.tensor([n])]).to(torch.int32)
         ps = self.sets.host
-        handles = (mpi_ops.allgather_async(values, name=f"{self.name}.{key}.gather", process_set=ps),
+        handles = (mpi_ops.allgather_async(rows, name=f"{self.name}.{key}.gather", process_set=ps),
                    mpi_ops.allgather_async(nominated, name=f"{self.name}.{key}.nominated", process_set=ps))
-        return handles, acc, own, start, m, out.sent
+        return handles, acc, own, start, out.sent
 
-    def _assemble(self, handles, acc, own, start, m, sent):
+    def _assemble(self, handles, acc, own, start, sent):
         """Step 3's end: the aggregate (None if some rank was non-finite), what left from this rank's
-        shard, and the host's nominated entries (where momentum correction masks)."""
+        shard, and the host's nominated entries (where momentum correction masks). Every index comes
+        from one shard's owner: copied, not summed, so the aggregate is the same bit for bit."""
         n = acc.numel()
-        gathered = mpi_ops.synchronize(handles[0]).reshape(self.sets.per_host, m + 1)
+        values, indices = from_rows(mpi_ops.synchronize(handles[0]), acc.dtype)
         nominated = mpi_ops.synchronize(handles[1]).long()
-        flags = gathered[:, m]
+        flags = values[indices == n]
         if not bool(torch.isfinite(flags).all()) or bool((flags != 0).any()):
             return Outcome(None, None)
-        aggregate = gathered[:, :m].reshape(-1)[:n].to(acc.dtype)
+        aggregate = torch.zeros(n + 1, dtype=acc.dtype, device=acc.device)
+        aggregate[indices.to(acc.device)] = values.to(acc.device)          # the flag rows land at n
+        aggregate = aggregate[:n]
         if self.average:
             aggregate.mul_(1.0 / (self.sets.per_host * self.sets.hosts))
         # acc becomes the shard's accumulator, zero elsewhere: the caller zeroes ``sent`` in it
