@@ -7,10 +7,11 @@ mode alone, the modes take turns of one step, the order rotating every round, so
 machine falls on all of them alike (as ``bench.sidebyside``).
 
 Step time: rank 0's wall time from ``zero_grad()`` to the end of ``step()``, median over the rounds.
-Inter-host bytes: each host's first rank reads its host's eth0 tx counter around every step; the two
-hosts' deltas summed are every byte that crossed between the hosts in that step (gradients, Horovod's
-negotiation, the launcher's ssh), mean over the rounds. A transfer that outlives its step lands in the
-next mode's window, so per-mode bytes are approximate.
+Inter-host bytes: after the rounds every mode runs ``--bytes-steps`` steps alone, between two
+barriers; each host's first rank reads its host's eth0 tx counter at both barriers, and the two
+hosts' deltas summed, over the steps, are every byte that crossed between the hosts per step
+(gradients, Horovod's negotiation, the launcher's ssh). (The per-step deltas read during the rounds,
+where a transfer that outlives its step lands in the next mode's window, are kept too: ``rounds_bytes``.)
 
 Horovod reads ``HOROVOD_HIERARCHICAL_ALLREDUCE`` once, at ``hvd.init``, for the whole job, so its dense
 mode runs in a second job per link, with ``hvd_topk hierarchical`` beside it again: the two are compared
@@ -99,13 +100,23 @@ def worker(a):
             steps[mode] += 1
             record[mode]["step_s"].append(s)
             record[mode]["tx"].append(tx)
+    for mode, model, opt in arms:                       # bytes: each mode alone, between barriers
+        hvd.allreduce(torch.zeros(1), name=f"bench.{mode}.before")
+        tx0 = _eth0_tx() if first_on_host else 0
+        for _ in range(a.bytes_steps):
+            step(model, opt, steps[mode])
+            steps[mode] += 1
+        hvd.allreduce(torch.zeros(1), name=f"bench.{mode}.after")
+        record[mode]["alone_tx"] = (_eth0_tx() - tx0) if first_on_host else 0
     everyone = hvd.allgather_object((hvd.local_rank(), record), name="bench.records")
     if hvd.rank() == 0:
         hosts_first = [r for r, (local_rank, _) in enumerate(everyone) if local_rank == 0]
-        out = {"ranks": hvd.size(), "ratio": a.ratio, "rounds": a.rounds, "modes": {}}
+        out = {"ranks": hvd.size(), "ratio": a.ratio, "rounds": a.rounds, "bytes_steps": a.bytes_steps, "modes": {}}
         for mode in a.modes:
             per_step = [sum(everyone[r][1][mode]["tx"][t] for r in hosts_first) for t in range(a.rounds)]
-            out["modes"][mode] = {"step_s": record[mode]["step_s"], "inter_host_bytes": per_step}
+            alone = sum(everyone[r][1][mode]["alone_tx"] for r in hosts_first) / a.bytes_steps
+            out["modes"][mode] = {"step_s": record[mode]["step_s"], "inter_host_bytes": alone,
+                                  "rounds_inter_host_bytes": per_step}
         with open(a.json_out, "w") as f:
             json.dump(out, f)
 
@@ -115,7 +126,7 @@ def summarise(record):
     for mode, m in record["modes"].items():
         q = statistics.quantiles(m["step_s"], n=4)
         rows[mode] = {"median_ms": 1e3 * statistics.median(m["step_s"]), "q1_ms": 1e3 * q[0], "q3_ms": 1e3 * q[2],
-                      "bytes": statistics.fmean(m["inter_host_bytes"])}
+                      "bytes": m["inter_host_bytes"], "rounds_bytes": statistics.fmean(m["rounds_inter_host_bytes"])}
     return rows
 
 
@@ -136,13 +147,15 @@ def report(rows_by_link, command):
     L = ["# communication='hierarchical' across 2 emulated hosts x 2 ranks, side by side", "",
          "Wide digits CNN (6.33M parameters), ratio as given, 2 hosts x 2 ranks (horovodrun, Gloo), each "
          "host's eth0 limited by tbf. Step: rank 0, zero_grad to the end of step, median and quartiles over "
-         "the rounds; inter-host bytes per step: both hosts' eth0 tx, mean over the rounds (see "
-         "`bench/hierarchical.py`). Rows marked (HHA job) ran in the second job of the link, with "
+         "the rounds; inter-host bytes per step: both hosts' eth0 tx over steps of the mode alone (in the "
+         "rounds: the mean of the per-step deltas, approximate; see `bench/hierarchical.py`). Rows marked (HHA job) ran in the second job of the link, with "
          "HOROVOD_HIERARCHICAL_ALLREDUCE=1.", "", f"Command: `{command}`", ""]
     for link, rows in rows_by_link.items():
-        L += [f"## {link}", "", "| mode | median step (ms) | quartiles | inter-host bytes/step |", "|---|---:|---|---:|"]
+        L += [f"## {link}", "", "| mode | median step (ms) | quartiles | inter-host bytes/step | in the rounds |",
+              "|---|---:|---|---:|---:|"]
         for mode, r in rows.items():
-            L.append(f"| {mode} | {r['median_ms']:,.1f} | {r['q1_ms']:,.1f}-{r['q3_ms']:,.1f} | {r['bytes']:,.0f} |")
+            L.append(f"| {mode} | {r['median_ms']:,.1f} | {r['q1_ms']:,.1f}-{r['q3_ms']:,.1f} | {r['bytes']:,.0f} | "
+                     f"{r['rounds_bytes']:,.0f} |")
         L.append("")
     L += ["## Targets", "", "| hvd_topk hierarchical | link | ratio | limit | |", "|---|---|---:|---:|---|"]
     for what, link, ratio, limit, met in targets(rows_by_link):
@@ -170,7 +183,7 @@ def driver(a):
                     js = os.path.join(tmp, "r.json")
                     argv = [sys.executable, "-m", "bench.hierarchical", "--worker", "--json-out", js, "--modes",
                             ",".join(modes), "--ratio", str(a.ratio), "--rounds", str(a.rounds), "--warmup",
-                            str(a.warmup), "--batch-size", str(a.batch_size)]
+                            str(a.warmup), "--batch-size", str(a.batch_size), "--bytes-steps", str(a.bytes_steps)]
                     t0 = time.perf_counter()
                     try:
                         run_job(2 * SLOTS, argv, timeout=a.timeout, prefix=hosts.hosts[0].prefix, cwd=ROOT,
@@ -209,6 +222,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=15, help="turns of every mode after the warm-up")
     p.add_argument("--warmup", type=int, default=3, help="steps of every mode alone before the rounds")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
+    p.add_argument("--bytes-steps", type=int, default=5, help="steps of every mode alone, for its bytes")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--out", default=os.path.join(RESULTS, "hierarchical"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -219,8 +233,8 @@ def parse_args(argv=None):
     bad = [b for b in a.bandwidths if b not in BANDWIDTHS] + [m for m in a.modes if m not in MODES]
     if bad or not a.modes:
         p.error(f"--bandwidths take {list(BANDWIDTHS)}, --modes {list(MODES)}; got {bad or a.modes}")
-    if a.rounds < 2 or a.warmup < 0 or a.batch_size < 1:
-        p.error("--rounds must be >= 2, --warmup >= 0, --batch-size >= 1")
+    if a.rounds < 2 or a.warmup < 0 or a.batch_size < 1 or a.bytes_steps < 1:
+        p.error("--rounds must be >= 2, --warmup >= 0, --batch-size and --bytes-steps >= 1")
     return a
 
 

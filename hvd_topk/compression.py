@@ -132,7 +132,10 @@ class TopKEF(Compressor):
         min_numel: tensors with fewer elements go dense; >= 0.
         communication: the transport (module docstring): ``'split_reduce'`` (default: every rank's own
             top-k, the global top-k of the sums kept), ``'allgather'`` (every rank's own top-k, all
-            kept), ``'artopk'`` (one leader's index set) or ``'dense'``.
+            kept), ``'hierarchical'`` (several ranks per host: a dense reduce-scatter inside each host,
+            split_reduce of each shard's top-k across hosts; build it after ``hvd.init``, which needs
+            the hosts' process sets: ``hvd_topk.transports.hierarchical``), ``'artopk'`` (one leader's
+            index set) or ``'dense'``.
         sync_indices: artopk only: share the current step's index set with a blocking broadcast
             inside compress, instead of the default: one step stale, one asynchronous allgather of
             every set per step.

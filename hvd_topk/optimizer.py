@@ -80,7 +80,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         communication: ``'artopk'`` (shared index set, allreduce of k values), ``'allgather'`` (every
             rank's own top-k, int32 indices, scatter-add), ``'split_reduce'`` (every rank's own top-k
             summed per index region by the region's owner, the global top-k of the sums allgathered:
-            bytes flat in the number of ranks; ``hvd_topk.transports.split_reduce``), ``'dense'``
+            bytes flat in the number of ranks; ``hvd_topk.transports.split_reduce``), ``'hierarchical'``
+            (several ranks per host: dense inside each host, split_reduce of each shard across hosts, so
+            about k entries per host cross the slow link; the hosts' process sets come from
+            ``hvd.init(process_sets=hvd_topk.host_process_sets())`` or HOROVOD_DYNAMIC_PROCESS_SETS=1;
+            one host or uneven hosts fall back to split_reduce; ``hvd_topk.transports.hierarchical``), ``'dense'``
             (plain allreduce) or ``'auto'`` (per compressed tensor, the transport the cost model with
             probed alpha/beta picks; see ``hvd_topk.auto``). None (default): the compression's
             ``communication``, ``'split_reduce'`` unless the TopKEF given says otherwise. split_reduce
