@@ -350,12 +350,13 @@ def _shard(n, position, per_host=SLOTS):
 
 @pytest.mark.parametrize("door", ["opt", "stock"])
 def test_hierarchical_across_hosts_keeps_error_feedback_per_shard(hierarchical_2x2, door):
-    """2 hosts x 2 ranks, float64, both front doors in one job (hvd_topk.DistributedOptimizer and TopKEF
-    in stock Horovod), rank 3's loss NaN at step 3. Each rank holds the residual of its shard of its
-    host (zero elsewhere); every step, P x the aggregate + the change of all residuals = the sum of every
-    rank's gradient (the error-feedback invariant, so the aggregate is the average of what left the
-    ranks); what left a shard is at most its k entries; the NaN step is skipped everywhere with every
-    residual kept; parameters identical on every rank."""
+    """2 hosts x 2 ranks, float64, both front doors in one job (hvd_topk.DistributedOptimizer with
+    op=Average and TopKEF in stock Horovod with op=Sum), rank 3's loss NaN at step 3. Each rank holds
+    the residual of its shard of its host (zero elsewhere); every step, the aggregate (x P for Average)
+    + the change of all residuals = the sum of every rank's gradient (the error-feedback invariant, so
+    the aggregate is the average, or the sum, of what left the ranks); what left a shard is at most its
+    k entries; the NaN step is skipped everywhere with every residual kept; parameters identical on
+    every rank."""
     results, nan_step = hierarchical_2x2
     assert [res["where"]["hostname"] for res in results] == ["node1", "node1", "node2", "node2"]
     assert all(res["transports"][door] == "Hierarchical" for res in results), [r["transports"] for r in results]
@@ -383,13 +384,14 @@ def test_hierarchical_across_hosts_keeps_error_feedback_per_shard(hierarchical_2
                 assert not residuals[r][outside].any(), f"rank {r}: residual outside its shard"
             grads = [rec["grads"][t][name].reshape(-1) for rec in records]
             change = sum(r - q for r, q in zip(residuals, previous))
-            torch.testing.assert_close(len(results) * aggregate + change, sum(grads), rtol=0, atol=1e-12)
+            scale = len(results) if door == "opt" else 1            # Average, Sum
+            torch.testing.assert_close(scale * aggregate + change, sum(grads), rtol=0, atol=1e-12)
             for host in ((0, 1), (2, 3)):                 # what left each shard of each host
                 host_sum = grads[host[0]] + grads[host[1]]
                 for r in host:
                     span = _shard(n, results[r]["sets"][door][2])
                     sent = (host_sum + previous[r] - residuals[r])[span]
-                    assert int((sent.abs() > 1e-15).sum()) <= k_shard, (name, t, r)
+                    assert int((sent.abs() > 1e-10).sum()) <= k_shard, (name, t, r)    # 1e-10: rounding
             previous = residuals
     assert any(previous[r].any() for r in range(len(results))), "nothing was held back"
 
@@ -399,7 +401,8 @@ def hierarchical_2x2(hosts, tmp_path_factory):
     """One launch for both front doors' checks."""
     nan_step = 3
     results = _hierarchical_job(hosts, tmp_path_factory.mktemp("hier") / "2x2", hosts.host_list(SLOTS), NP,
-                                ["--steps", 6, "--nan-rank", 3, "--nan-step", nan_step, "--sets-first"])
+                                ["--steps", 6, "--nan-rank", 3, "--nan-step", nan_step, "--sets-first",
+                                 "--stock-op", "sum"])
     return results, nan_step
 
 

@@ -1,7 +1,7 @@
 """communication='hierarchical' through both front doors in one job (float64, synthetic regression).
 
 Each rank trains two copies of one MLP side by side: ``opt`` (hvd_topk.DistributedOptimizer) and
-``stock`` (hvd.DistributedOptimizer with TopKEF). Every step it records, per front door, its local
+``stock`` (hvd.DistributedOptimizer with TopKEF, op ``--stock-op``). Every step it records, per front door, its local
 gradients, the aggregate every rank received (p.grad after synchronize) and its residuals after the
 step; ``--nan-rank`` makes one rank's loss non-finite at ``--nan-step``. Every rank writes
 ``<out>/rank<r>.pt`` with those, its final parameters, where it ran and the warnings it saw (the flat
@@ -26,6 +26,7 @@ p.add_argument("--steps", type=int, default=6)
 p.add_argument("--ratio", type=float, default=0.05)
 p.add_argument("--nan-rank", type=int, default=-1)
 p.add_argument("--nan-step", type=int, default=-1)
+p.add_argument("--stock-op", choices=["average", "sum"], default="average", help="the stock door's op")
 p.add_argument("--sets-first", action="store_true",
                help="before training: hierarchical without registered sets (the error), then with dynamic "
                     "ones (a collective over each), each in its own hvd.init; training then registers "
@@ -74,7 +75,8 @@ with warnings.catch_warnings(record=True) as seen:
         else:
             comp = hvd_topk.TopKEF(ratio=args.ratio, min_numel=64, named_parameters=model.named_parameters(),
                                    communication="hierarchical")
-            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp)
+            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp,
+                                           op=hvd.Sum if args.stock_op == "sum" else hvd.Average)
             residuals, transport = comp.memory.residuals, comp.transports.own["hierarchical"]
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model, opt, residuals, transport
