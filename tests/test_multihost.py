@@ -419,6 +419,17 @@ def test_hierarchical_process_sets_error_dynamic_and_registered(hierarchical_2x2
         assert sums == [float(sum(host)), float(sum(cross))], (r, sums)
 
 
+def test_hierarchical_ratio_one_is_dense_horovod(hierarchical_2x2):
+    """The same job: hvd_topk.DistributedOptimizer(communication='hierarchical') at ratio 1.0 trains as
+    dense stock Horovod does (float64, 6 steps, SGD with momentum)."""
+    results, _ = hierarchical_2x2
+    for res in results:
+        ours, dense = res["ratio_one"]["ratio1"], res["ratio_one"]["dense"]
+        for name, value in dense.items():
+            torch.testing.assert_close(ours[name], value, rtol=1e-10, atol=1e-12)
+    assert_identical_across_ranks([{"params": res["ratio_one"]["ratio1"]} for res in results])
+
+
 def test_hierarchical_uneven_hosts_fall_back_to_flat(hosts, tmp_path):
     """-H node1:2,node2:1: shards cannot line up, so both front doors run the flat split_reduce on every
     rank, each saying why in a warning, and train to identical parameters; no hang, no error."""

@@ -104,8 +104,28 @@ with warnings.catch_warnings(record=True) as seen:
             record[door]["residuals"].append({k: None if v is None else v.clone() for k, v in residuals.items()})
     elapsed = time.monotonic() - start
 
+    def ratio_one(door):
+        """--steps steps of hvd_topk's hierarchical at ratio 1.0 ("ratio1") or dense stock Horovod ("dense"),
+        each with its own parameter names; the two must agree."""
+        torch.manual_seed(1234 + hvd.rank())
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+        named = [(f"{door}.{n}", q) for n, q in model.named_parameters()]
+        base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = hvd_topk.DistributedOptimizer(base, named_parameters=named, communication="hierarchical",
+                                            compression=hvd_topk.TopKEF(ratio=1.0, min_numel=64)) \
+            if door == "ratio1" else hvd.DistributedOptimizer(base, named_parameters=named)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        for step in range(args.steps):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100_000 * hvd.rank() + step))
+            opt.zero_grad()
+            ((model(x) - x @ w_true) ** 2).mean().backward()
+            opt.step()
+        return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+    ratio_one_params = {door: ratio_one(door) for door in ("ratio1", "dense")}
+
 result = {"params": {door: {n: q.detach().clone() for n, q in m.named_parameters()} for door, (m, *_) in doors.items()},
-          "record": record, "elapsed_s": elapsed, "checked": checked, "warnings": [str(w.message) for w in seen],
+          "record": record, "elapsed_s": elapsed, "checked": checked, "ratio_one": ratio_one_params, "warnings": [str(w.message) for w in seen],
           "transports": {door: type(t).__name__ for door, (*_, t) in doors.items()},
           "sets": {door: None if not hasattr(t, "sets") else (t.sets.host.ranks, t.sets.cross.ranks, t.sets.position)
                    for door, (*_, t) in doors.items()},
