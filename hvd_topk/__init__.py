@@ -4,11 +4,12 @@ Public names are imported lazily, so that ``hvd_topk.sparsify`` works without Ho
 """
 import importlib
 
-__all__ = ["TopKEF", "DistributedOptimizer", "save_checkpoint", "load_checkpoint"]
+__all__ = ["TopKEF", "DistributedOptimizer", "save_checkpoint", "load_checkpoint", "host_process_sets"]
 __version__ = "0.1.0"
 
 _PUBLIC = {"TopKEF": ".compression", "DistributedOptimizer": ".optimizer",
-           "save_checkpoint": ".checkpoint", "load_checkpoint": ".checkpoint"}
+           "save_checkpoint": ".checkpoint", "load_checkpoint": ".checkpoint",
+           "host_process_sets": ".transports.host_sets"}
 
 
 def __getattr__(name):

@@ -17,19 +17,26 @@ from .validate import check_choice, check_int, check_number
 __all__ = ["check_topkef", "check_optimizer", "check_groups", "STOCK_COMMUNICATIONS", "COMMUNICATIONS",
            "COMPRESSES", "LEADERS", "SELECTIONS"]
 
-STOCK_COMMUNICATIONS = ("split_reduce", "allgather", "artopk", "dense")      # TopKEF's
-COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "dense", "auto")    # the optimizer's
+STOCK_COMMUNICATIONS = ("split_reduce", "hierarchical", "allgather", "artopk", "dense")     # TopKEF's
+COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto")   # the optimizer's
 COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
 
 
-def check_topkef(ratio, min_numel, communication, budget):
+def check_topkef(ratio, min_numel, communication, budget, process_set):
     """``TopKEF``'s arguments: (ratio, min_numel, communication, budget) as validated."""
-    return (check_number("ratio", ratio, low=0, high=1, low_open=True, what="(fraction of elements kept)"),
-            check_int("min_numel", min_numel),
-            check_choice("communication", communication, STOCK_COMMUNICATIONS),
-            check_number("budget", budget, low=1, what="(multiple of k kept by split_reduce)"))
+    checked = (check_number("ratio", ratio, low=0, high=1, low_open=True, what="(fraction of elements kept)"),
+               check_int("min_numel", min_numel),
+               check_choice("communication", communication, STOCK_COMMUNICATIONS),
+               check_number("budget", budget, low=1, what="(multiple of k kept by split_reduce)"))
+    _check_hierarchical(communication, process_set)
+    return checked
+
+
+def _check_hierarchical(communication, process_set):
+    if communication == "hierarchical" and process_set is not mpi_ops.global_process_set:
+        raise ValueError("communication='hierarchical' needs the global process set (it builds its own per host)")
 
 
 def check_optimizer(*, optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
@@ -72,6 +79,7 @@ def check_optimizer(*, optimizer, compression, backward_passes_per_step, op, gra
                          f"hvd.add_process_set, got {process_set!r}")
     if value_dtype is not None and not (isinstance(value_dtype, torch.dtype) and value_dtype.is_floating_point):
         raise ValueError(f"value_dtype must be a floating torch dtype or None, got {value_dtype!r}")
+    _check_hierarchical(communication, process_set)
     # DGC's correction is SGD's momentum, on the raw gradient; RMSprop's momentum acts after its
     # normalisation, so correcting it would change what the optimizer computes.
     has_momentum = isinstance(optimizer, torch.optim.SGD) and \

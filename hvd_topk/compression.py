@@ -124,13 +124,13 @@ class TopKEF(Compressor):
         min_numel: tensors with fewer elements go dense; >= 0.
         communication: the transport (module docstring): ``'split_reduce'`` (default: every rank's own
             top-k, the global top-k of the sums kept), ``'allgather'`` (every rank's own top-k, all
-            kept), ``'artopk'`` (one leader's index set) or ``'dense'``.
+            kept), ``'hierarchical'`` (dense inside each host, split_reduce across hosts; built after
+            ``hvd.init``: ``hvd_topk.transports.hierarchical``), ``'artopk'`` (one leader's set) or ``'dense'``.
         sync_indices: artopk only: share the current step's index set by a blocking broadcast in
             compress, instead of one step stale (one asynchronous allgather of every set per step).
-        named_parameters: ``model.named_parameters()``, as given to the optimizer: residuals and the
-            transports' state are then keyed by parameter name, whatever order Horovod compresses in.
-            Without it they are keyed by position in the step, which must then be the same every step
-            and on every rank (if the ranks' orders differ, every rank raises, naming this argument).
+        named_parameters: ``model.named_parameters()``, as given to the optimizer: state keyed by name,
+            whatever order Horovod compresses in. Without it, by position in the step, which must then be
+            the same every step and on every rank (else every rank raises, naming this argument).
         process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
         budget: split_reduce keeps the largest ``budget * k`` summed entries (>= 1): room where the ranks'
             top-k sets disagree (non-IID data). ``hvd_topk.DistributedOptimizer`` reads it here too.
@@ -152,7 +152,7 @@ class TopKEF(Compressor):
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
                  process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0):
         self.ratio, self.min_numel, self.communication, self.budget = check_topkef(ratio, min_numel,
-                                                                                   communication, budget)
+                                                                                   communication, budget, process_set)
         self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
         self.memory = ResidualMemory()        # key -> residual
         self._step = _PendingStep()           # this step's candidates

@@ -25,6 +25,7 @@ from .transports.collectives import Collectives
 from .transports.index_sets import IndexPipeline
 from .transports.leaders import StarLeaders
 from .transports.regions import Regions
+from .transports.hierarchical import hierarchical_or_flat
 
 __all__ = ["CompressorTransports"]
 
@@ -53,6 +54,8 @@ class CompressorTransports:
         self.own = {"split_reduce": SplitReduce(collectives, False, Regions(), f"{tag}.split",
                                                 mismatch_hint=mismatch_hint, budget=budget),
                     "allgather": SparseAllgather(collectives, False, name=f"{tag}.allgather")}
+        if communication == "hierarchical":           # collective: finds the hosts' process sets
+            self.own["hierarchical"] = hierarchical_or_flat(self.own["split_reduce"], f"{tag}.hier", False)
         self.token = OpToken(process_set, mismatch_hint=mismatch_hint)
 
     def before_gradient(self):

@@ -28,7 +28,7 @@ __all__ = ["StepConfig", "StepUnits", "StepCoordinator"]
 
 class StepConfig(NamedTuple):
     """What the user chose (validated by ``hvd_topk.DistributedOptimizer``)."""
-    communication: str                    # 'artopk', 'allgather', 'split_reduce', 'dense' or 'auto'
+    communication: str                    # 'artopk', 'allgather', 'split_reduce', 'hierarchical', 'dense', 'auto'
     selection: str                        # 'layerwise' or 'global'
     compress: str                         # 'gradient' or 'update'
     local_momentum: bool                  # compress='update': keep the optimizer's momentum when sparse
@@ -118,7 +118,8 @@ class StepCoordinator:
         if gains and finite:
             self.tuner.observe_acc(acc)
         # a density-1 step that still feeds the gains goes as AR-Topk of everything (values + flag)
-        transport = self.transports[mode if mode in ("allgather", "split_reduce") and k < n else "artopk"]
+        own_topk = mode in ("allgather", "split_reduce", "hierarchical")    # every rank selects its own top-k
+        transport = self.transports[mode if own_topk and k < n else "artopk"]
         started = transport.start(key, acc, k, finite, grad=g, step=self.step, k_next=k_next)
         self.stats.add_sent(started.nbytes, started.sent_sq, acc_sq, select_s=time.perf_counter() - t0)
         return acc, started.finish

@@ -61,8 +61,9 @@ class OpToken:
             raise ValueError(_neither_sum_nor_average(ones, first, size))
         total, total_sq = round(f * scale), round(f2 * scale)     # integers: sums of f and f*f
         if size * total_sq != total * total:
+            hint = self.mismatch_hint or "every rank must give TopKEF the same named_parameters"
             raise ValueError(f"TopKEF: the ranks compressed the gradient Horovod reduced here under different "
-                             f"keys (this rank's: {key!r}); {self.mismatch_hint or 'every rank must give TopKEF the same named_parameters'}")
+                             f"keys (this rank's: {key!r}); {hint}")
         return size > 1 and scale != 1.0
 
 

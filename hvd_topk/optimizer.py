@@ -24,6 +24,7 @@ from .schedule import DensitySchedule
 from .stats import StepStats
 from .transports import ARTopk, Dense, SparseAllgather, SplitReduce
 from .transports.collectives import Collectives, Reduction
+from .transports.hierarchical import hierarchical_or_flat
 from .transports.index_sets import IndexPipeline
 from .transports.leaders import StarLeaders, VarLeaders
 from .transports.regions import Regions
@@ -65,7 +66,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         communication: ``'artopk'`` (shared index set, allreduce of k values), ``'allgather'`` (every
             rank's own top-k, int32 indices, scatter-add), ``'split_reduce'`` (every rank's own top-k
             summed per index region by the region's owner, the global top-k of the sums allgathered:
-            bytes flat in the number of ranks; ``hvd_topk.transports.split_reduce``), ``'dense'``
+            bytes flat in the number of ranks; ``hvd_topk.transports.split_reduce``), ``'hierarchical'``
+            (dense inside each host, split_reduce of each shard across hosts; its process sets from
+            ``hvd_topk.host_process_sets()`` or HOROVOD_DYNAMIC_PROCESS_SETS=1; docs/design.md), ``'dense``
             (plain allreduce) or ``'auto'`` (per compressed tensor, the transport the cost model with
             probed alpha/beta picks; see ``hvd_topk.auto``). None (default): the compression's
             ``communication``, ``'split_reduce'`` unless the TopKEF given says otherwise. split_reduce
@@ -169,6 +172,9 @@ def _build(config, *, names, schedule, tuner, leader, reduction, value_dtype, pr
                                               budget=budget),
                   "dense": Dense(collectives, reduction, value_dtype, name="values"),
                   "plain": Dense(collectives, reduction, None, name="dense")}
+    if config.communication == "hierarchical":          # collective: finds the hosts' process sets
+        transports["hierarchical"] = hierarchical_or_flat(transports["split_reduce"], f"{tag}.hier", average,
+                                                          collectives.start_pending)
     units = StepUnits(schedule=schedule, tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(),
                       leaders=leaders, index_sets=index_sets, collectives=collectives, transports=transports,
                       bucket=GlobalBucket(), stats=stats)

@@ -36,6 +36,8 @@ LAYERS = [
         ("allgather.py", "every rank's\nown top-k", ["transports/allgather.py"]),
         ("split_reduce.py", "owners sum regions,\nglobal top-k: regions.py",
          ["transports/split_reduce.py", "transports/regions.py"]),
+        ("hierarchical.py", "dense in a host, split_reduce\nacross hosts: host_sets.py",
+         ["transports/hierarchical.py", "transports/host_sets.py"]),
         ("collectives.py", "grouping, flags,\nagreement", ["transports/collectives.py"]),
     ]),
     ("core", [

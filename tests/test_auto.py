@@ -432,7 +432,7 @@ def make(hvd, **kw):
     ({"adaptive_ratio": (0.1, 0.001)}, r"adaptive_ratio must be None, True or \(low, high\)"),
     ({"adaptive_ratio": "yes"}, r"adaptive_ratio must be None, True or \(low, high\)"),
     ({"adaptive_ratio": (0.0, 0.1)}, r"0 < low <= high <= 1"),
-    ({"adaptive_ratio": True, "communication": "dense"}, "adaptive_ratio needs a compressing communication"),
+    ({"adaptive_ratio": True, "communication": "dense"}, "adaptive_ratio needs communication"),
     ({"adaptive_ratio": (0.02, 0.1)}, r"ratio 0.01 .* must lie within adaptive_ratio's bounds"),
     ({"adaptive_ratio": (0.01, 0.01)}, "fewer than two candidate ratios"),
     ({"adaptive_weight": -1}, "adaptive_weight must be a finite number >= 0"),

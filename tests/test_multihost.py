@@ -10,6 +10,7 @@ Skipped only where the machine cannot make network namespaces (not root, or a co
 capability); a missing sshd or tool is a failure (scripts/install.sh installs them).
 """
 import glob
+import math
 import os
 import re
 import shutil
@@ -326,3 +327,120 @@ def test_sbatch_two_nodes_requeues_and_resumes_from_per_rank_checkpoints(slurm_h
     # node2's slurmd started its rank, both before and after the requeue
     node2_log = _read(os.path.join(slurm_hosts.base, "log", "slurmd-node2.log"))
     assert node2_log.count(f"launch task StepId={job_id}.0 request") == 2, node2_log[-3000:]
+
+
+# -- communication='hierarchical': dense inside a host, sparse across ---------------------------------
+
+def _hierarchical_job(hosts, out, host_list, np, args=(), env=None):
+    """tests/workers/hierarchical.py on ``host_list`` (gloo), launched from node1; per-rank results."""
+    out.mkdir(parents=True)
+    argv = [sys.executable, os.path.join(WORKERS, "hierarchical.py"), "--out", str(out), *map(str, args)]
+    try:
+        run_job(np, argv, backend="gloo", timeout=JOB_TIMEOUT, prefix=hosts.hosts[0].prefix, cwd=ROOT,
+                hosts=host_list, interface=IFACE, env=env)
+    finally:
+        hosts.kill_strays()
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
+
+
+def _shard(n, position, per_host=SLOTS):
+    m = -(-n // per_host)
+    return slice(min(position * m, n), min((position + 1) * m, n))
+
+
+@pytest.mark.parametrize("door", ["opt", "stock"])
+def test_hierarchical_across_hosts_keeps_error_feedback_per_shard(hierarchical_2x2, door):
+    """2 hosts x 2 ranks, float64, both front doors in one job (hvd_topk.DistributedOptimizer with
+    op=Average and TopKEF in stock Horovod with op=Sum), rank 3's loss NaN at step 3. Each rank holds
+    the residual of its shard of its host (zero elsewhere); every step, the aggregate (x P for Average)
+    + the change of all residuals = the sum of every rank's gradient (the error-feedback invariant, so
+    the aggregate is the average, or the sum, of what left the ranks); what left a shard is at most its
+    k entries; the NaN step is skipped everywhere with every residual kept; parameters identical on
+    every rank."""
+    results, nan_step = hierarchical_2x2
+    assert [res["where"]["hostname"] for res in results] == ["node1", "node1", "node2", "node2"]
+    assert all(res["transports"][door] == "Hierarchical" for res in results), [r["transports"] for r in results]
+    assert [res["sets"][door] for res in results] == [([0, 1], [0, 2], 0), ([0, 1], [1, 3], 1),
+                                                      ([2, 3], [0, 2], 0), ([2, 3], [1, 3], 1)]
+    assert_identical_across_ranks([{"params": res["params"][door]} for res in results])
+    records = [res["record"][door] for res in results]
+    steps = len(records[0]["grads"])
+    compressed = [n for n, v in records[0]["residuals"][0].items() if v is not None]
+    assert {"0.weight", "2.weight", "4.weight"} <= set(compressed), compressed
+    for name in compressed:
+        n = records[0]["grads"][0][name].numel()
+        k_shard = math.ceil(math.ceil(0.05 * n) * (n // SLOTS) / n)    # k scaled to a shard (equal here)
+        previous = [torch.zeros(n, dtype=torch.float64) for _ in results]
+        for t in range(steps):
+            residuals = [rec["residuals"][t][name].reshape(-1) for rec in records]
+            aggregate = records[0]["aggregates"][t][name].reshape(-1)
+            if t == nan_step:
+                assert not torch.isfinite(aggregate).any(), "the NaN step reached an aggregate"
+                assert all(torch.equal(r, q) for r, q in zip(residuals, previous)), "a residual moved"
+                continue
+            for r, res in enumerate(results):
+                outside = torch.ones(n, dtype=torch.bool)
+                outside[_shard(n, res["sets"][door][2])] = False
+                assert not residuals[r][outside].any(), f"rank {r}: residual outside its shard"
+            grads = [rec["grads"][t][name].reshape(-1) for rec in records]
+            change = sum(r - q for r, q in zip(residuals, previous))
+            scale = len(results) if door == "opt" else 1            # Average, Sum
+            torch.testing.assert_close(scale * aggregate + change, sum(grads), rtol=0, atol=1e-12)
+            for host in ((0, 1), (2, 3)):                 # what left each shard of each host
+                host_sum = grads[host[0]] + grads[host[1]]
+                for r in host:
+                    span = _shard(n, results[r]["sets"][door][2])
+                    sent = (host_sum + previous[r] - residuals[r])[span]
+                    assert int((sent.abs() > 1e-10).sum()) <= k_shard, (name, t, r)    # 1e-10: rounding
+            previous = residuals
+    assert any(previous[r].any() for r in range(len(results))), "nothing was held back"
+
+
+@pytest.fixture(scope="module")
+def hierarchical_2x2(hosts, tmp_path_factory):
+    """One launch for both front doors' checks."""
+    nan_step = 3
+    results = _hierarchical_job(hosts, tmp_path_factory.mktemp("hier") / "2x2", hosts.host_list(SLOTS), NP,
+                                ["--steps", 6, "--nan-rank", 3, "--nan-step", nan_step, "--sets-first",
+                                 "--stock-op", "sum"])
+    return results, nan_step
+
+
+def test_hierarchical_process_sets_error_dynamic_and_registered(hierarchical_2x2):
+    """The 2x2 job's hvd.init without process sets: every rank raises, naming the sets and both ways to
+    get them; with hvd.init(process_sets='dynamic') the sets are added (a sum over each is right);
+    the training ran on sets registered by hvd.init(process_sets=hvd_topk.host_process_sets())."""
+    results, _ = hierarchical_2x2
+    for r, res in enumerate(results):
+        error, sums = res["checked"]
+        assert error is not None and "needs Horovod process sets [[0, 1], [2, 3], [0, 2], [1, 3]]" in error, error
+        assert "HOROVOD_DYNAMIC_PROCESS_SETS=1" in error and "hvd_topk.host_process_sets()" in error, error
+        host, cross = ((0, 1), (2, 3))[r // SLOTS], (r % SLOTS, r % SLOTS + SLOTS)
+        assert sums == [float(sum(host)), float(sum(cross))], (r, sums)
+
+
+def test_hierarchical_ratio_one_is_dense_horovod(hierarchical_2x2):
+    """The same job: hvd_topk.DistributedOptimizer(communication='hierarchical') at ratio 1.0 trains as
+    dense stock Horovod does (float64, 6 steps, SGD with momentum)."""
+    results, _ = hierarchical_2x2
+    for res in results:
+        ours, dense = res["ratio_one"]["ratio1"], res["ratio_one"]["dense"]
+        for name, value in dense.items():
+            torch.testing.assert_close(ours[name], value, rtol=1e-10, atol=1e-12)
+    assert_identical_across_ranks([{"params": res["ratio_one"]["ratio1"]} for res in results])
+
+
+def test_hierarchical_uneven_hosts_fall_back_to_flat(hosts, tmp_path):
+    """-H node1:2,node2:1: shards cannot line up, so both front doors run the flat split_reduce on every
+    rank, each saying why in a warning, and train to identical parameters; no hang, no error."""
+    start = time.monotonic()
+    results = _hierarchical_job(hosts, tmp_path / "uneven", f"{hosts.hosts[0].addr}:2,{hosts.hosts[1].addr}:1",
+                                3, ["--steps", 3])
+    print(f"\nuneven hosts: launch to results {time.monotonic() - start:.1f} s")
+    for res in results:
+        assert res["transports"] == {"opt": "SplitReduce", "stock": "SplitReduce"}, res["transports"]
+        assert any("runs the flat transport: the hosts run different numbers of ranks (2 and 1)" in w
+                   for w in res["warnings"]), res["warnings"]
+        assert res["elapsed_s"] < 30, res["elapsed_s"]
+    for door in ("opt", "stock"):
+        assert_identical_across_ranks([{"params": res["params"][door]} for res in results])

@@ -157,9 +157,9 @@ def candidate_ratios(adaptive_ratio, ratio, communication):
     else:
         raise ValueError("adaptive_ratio must be None, True or (low, high) with 0 < low <= high <= 1, "
                          f"got {adaptive_ratio!r}")
-    if communication == "dense":
-        raise ValueError("adaptive_ratio needs a compressing communication ('artopk', 'allgather', "
-                         "'split_reduce' or 'auto'), got communication='dense'")
+    if communication in ("dense", "hierarchical"):      # hierarchical: its gains are not measured
+        raise ValueError("adaptive_ratio needs communication 'artopk', 'allgather', 'split_reduce' or 'auto', "
+                         f"got communication={communication!r}")
     if not low <= ratio <= high:
         raise ValueError(f"the compression's ratio {ratio} (where the adaptive ratio starts) must lie within "
                          f"adaptive_ratio's bounds [{low}, {high}]")

@@ -10,6 +10,9 @@ per transport, each with what only it uses beside it:
 - ``SplitReduce`` (split_reduce.py): every rank's own top-k, summed per index region by its owner; the
   global top-k of the sums is allgathered (Ok-Topk). Bytes flat in the number of ranks. Its regions
   (regions.py).
+- ``Hierarchical`` (hierarchical.py): several ranks per host: a dense reduce-scatter inside each host,
+  a ``SplitReduce`` of each shard's top-k across hosts, an allgather inside each host. Its hosts'
+  process sets and the flat fallback (host_sets.py).
 - collectives.py: what they share on top of Horovod's public collectives (grouping, flags, agreement).
 """
 from .base import Outcome, Started, Transport
@@ -17,6 +20,7 @@ from .allgather import SparseAllgather
 from .artopk import ARTopk
 from .dense import Dense
 from .split_reduce import SplitReduce
+from .hierarchical import Hierarchical
 
-__all__ = ["Transport", "Started", "Outcome", "ARTopk", "SparseAllgather", "SplitReduce", "Dense"]
+__all__ = ["Transport", "Started", "Outcome", "ARTopk", "SparseAllgather", "SplitReduce", "Dense", "Hierarchical"]
 

@@ -1,0 +1,135 @@
+"""communication='hierarchical' through both front doors in one job (float64, synthetic regression).
+
+Each rank trains two copies of one MLP side by side: ``opt`` (hvd_topk.DistributedOptimizer) and
+``stock`` (hvd.DistributedOptimizer with TopKEF, op ``--stock-op``). Every step it records, per front door, its local
+gradients, the aggregate every rank received (p.grad after synchronize) and its residuals after the
+step; ``--nan-rank`` makes one rank's loss non-finite at ``--nan-step``. Every rank writes
+``<out>/rank<r>.pt`` with those, its final parameters, where it ran and the warnings it saw (the flat
+fallback announces itself there).
+"""
+import argparse
+import os
+import socket
+import time
+import warnings
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hvd_topk
+from hvd_topk.transports import host_sets
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=6)
+p.add_argument("--ratio", type=float, default=0.05)
+p.add_argument("--nan-rank", type=int, default=-1)
+p.add_argument("--nan-step", type=int, default=-1)
+p.add_argument("--stock-op", choices=["average", "sum"], default="average", help="the stock door's op")
+p.add_argument("--sets-first", action="store_true",
+               help="before training: hierarchical without registered sets (the error), then with dynamic "
+                    "ones (a collective over each), each in its own hvd.init; training then registers "
+                    "hvd_topk.host_process_sets() at hvd.init")
+args = p.parse_args()
+
+
+def check_sets():
+    """The error without sets, then the sets added dynamically: (error text, the sums over the sets)."""
+    hvd.init()
+    try:
+        hvd_topk.TopKEF(communication="hierarchical")
+        error = None
+    except ValueError as e:
+        error = str(e)
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    sets = host_sets.resolve()
+    one = torch.tensor([float(hvd.rank())])
+    sums = [float(hvd.allreduce(one, op=hvd.Sum, name=f"check.{i}", process_set=ps))
+            for i, ps in enumerate((sets.host, sets.cross))]
+    hvd.shutdown()
+    os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS")
+    host_sets._RESOLVED.clear()          # a new hvd.init: the sets resolved before are gone
+    return error, sums
+
+
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as seen:
+    checked = check_sets() if args.sets_first else None
+    hvd.init(process_sets=hvd_topk.host_process_sets() if args.sets_first else None)
+    start = time.monotonic()
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
+
+    def build(front_door):
+        torch.manual_seed(1234 + hvd.rank())        # different per rank: the broadcast must fix it
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+        base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if front_door == "opt":
+            opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                                compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=64),
+                                                communication="hierarchical", momentum_correction=False)
+            residuals, transport = opt._hvd_topk.residuals.residuals, opt._hvd_topk.transports["hierarchical"]
+        else:
+            comp = hvd_topk.TopKEF(ratio=args.ratio, min_numel=64, named_parameters=model.named_parameters(),
+                                   communication="hierarchical")
+            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp,
+                                           op=hvd.Sum if args.stock_op == "sum" else hvd.Average)
+            residuals, transport = comp.memory.residuals, comp.transports.own["hierarchical"]
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        return model, opt, residuals, transport
+
+    doors = {door: build(door) for door in ("opt", "stock")}
+    record = {door: {"grads": [], "aggregates": [], "residuals": []} for door in doors}
+    for step in range(args.steps):
+        gen = torch.Generator().manual_seed(100_000 * hvd.rank() + step)
+        x = torch.randn(16, 32, generator=gen)
+        for door, (model, opt, residuals, _) in doors.items():
+            opt.zero_grad()
+            loss = ((model(x) - x @ w_true) ** 2).mean()
+            if step == args.nan_step and hvd.rank() == args.nan_rank:
+                loss = loss * float("nan")
+            grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            loss.backward()
+            opt.synchronize()
+            names = [n for n, _ in model.named_parameters()]
+            record[door]["grads"].append({n: g.clone() for n, g in zip(names, grads)})
+            record[door]["aggregates"].append({n: q.grad.clone() for n, q in model.named_parameters()})
+            with opt.skip_synchronize(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")       # the skipped step's own warning
+                if all(torch.isfinite(q.grad).all() for q in model.parameters()):
+                    opt.step()
+            record[door]["residuals"].append({k: None if v is None else v.clone() for k, v in residuals.items()})
+    elapsed = time.monotonic() - start
+
+    def ratio_one(door):
+        """--steps steps of hvd_topk's hierarchical at ratio 1.0 ("ratio1") or dense stock Horovod ("dense"),
+        each with its own parameter names; the two must agree."""
+        torch.manual_seed(1234 + hvd.rank())
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+        named = [(f"{door}.{n}", q) for n, q in model.named_parameters()]
+        base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = hvd_topk.DistributedOptimizer(base, named_parameters=named, communication="hierarchical",
+                                            compression=hvd_topk.TopKEF(ratio=1.0, min_numel=64)) \
+            if door == "ratio1" else hvd.DistributedOptimizer(base, named_parameters=named)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        for step in range(args.steps):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100_000 * hvd.rank() + step))
+            opt.zero_grad()
+            ((model(x) - x @ w_true) ** 2).mean().backward()
+            opt.step()
+        return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+    ratio_one_params = {door: ratio_one(door) for door in ("ratio1", "dense")}
+
+result = {"params": {door: {n: q.detach().clone() for n, q in m.named_parameters()} for door, (m, *_) in doors.items()},
+          "record": record, "elapsed_s": elapsed, "checked": checked, "ratio_one": ratio_one_params, "warnings": [str(w.message) for w in seen],
+          "transports": {door: type(t).__name__ for door, (*_, t) in doors.items()},
+          "sets": {door: None if not hasattr(t, "sets") else (t.sets.host.ranks, t.sets.cross.ranks, t.sets.position)
+                   for door, (*_, t) in doors.items()},
+          "where": {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+                    "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
+                    "cross_size": hvd.cross_size(), "hostname": socket.gethostname()}}
+torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))
