@@ -53,7 +53,12 @@ def run(name):
     records = []
     for step in range(args.steps):
         if step == args.steps - 1:
-            transport.forget()                 # as after an elastic reset: every rank at once
+            # As after an elastic reset, every rank at once. A reset's collectives died with Horovod;
+            # here AR-Topk's index-set allgather is still in flight, so it is waited for first (a new
+            # one under the same name would be refused while it runs).
+            if index_sets is not None:
+                index_sets.receive()
+            transport.forget()
         started = {}
         for key in (reversed(KEYS) if hvd.rank() % 2 else KEYS):
             seed = 100000 * NAMES.index(name) + 1000 * hvd.rank() + 10 * step + KEYS.index(key)
