@@ -331,15 +331,27 @@ def test_sbatch_two_nodes_requeues_and_resumes_from_per_rank_checkpoints(slurm_h
 
 # -- communication='hierarchical': dense inside a host, sparse across ---------------------------------
 
+# Once in two full-suite runs, Gloo's connect from node2 to a rank on node1 was refused before any
+# step ran, and the job ended there (not seen in five runs of these tests alone; cause not found).
+# The launch is retried once on that error only, before any result exists: a failing check, or the
+# error twice, still fails the test.
+GLOO_CONNECT_REFUSED = re.compile(r"gloo/transport/tcp/pair\.cc:\d+\] connect \[[0-9.]+\]:\d+: Connection refused")
+
+
 def _hierarchical_job(hosts, out, host_list, np, args=(), env=None):
     """tests/workers/hierarchical.py on ``host_list`` (gloo), launched from node1; per-rank results."""
     out.mkdir(parents=True)
     argv = [sys.executable, os.path.join(WORKERS, "hierarchical.py"), "--out", str(out), *map(str, args)]
-    try:
-        run_job(np, argv, backend="gloo", timeout=JOB_TIMEOUT, prefix=hosts.hosts[0].prefix, cwd=ROOT,
-                hosts=host_list, interface=IFACE, env=env)
-    finally:
-        hosts.kill_strays()
+    for attempt in (1, 2):
+        try:
+            run_job(np, argv, backend="gloo", timeout=JOB_TIMEOUT, prefix=hosts.hosts[0].prefix, cwd=ROOT,
+                    hosts=host_list, interface=IFACE, env=env)
+            break
+        except JobFailed as failed:
+            if attempt == 2 or not GLOO_CONNECT_REFUSED.search(failed.output) or list(out.glob("rank*.pt")):
+                raise
+        finally:
+            hosts.kill_strays()
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
 
 
