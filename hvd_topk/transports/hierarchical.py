@@ -92,7 +92,7 @@ class Hierarchical:
     def forget(self):
         """Drop what was shared with the old set of ranks."""
         self.inflight, self.outcomes = {}, {}
-        getattr(self.inner, "forget", lambda: None)()
+        self.inner.forget()
 
     def _run_all(self):
         """Steps 1-3 for every key in flight, in key order, each phase started for all keys before any
