@@ -32,20 +32,23 @@ CONFIGS = {
     # 16 ranks at the 8-rank runs' global batch (8 per rank, so as many steps)
     "SGD dense, batch 8": ["--compression", "none", "--batch-size", "8"],
     "SGD stock TopKEF 0.01, batch 8": ["--compression", "topkef", "--ratio", "0.01", "--batch-size", "8"],
-    "SGD top-k 0.01, no correction": ["--compression", "hvd_topk", "--communication", "artopk",
-                                      "--ratio", "0.01", "--momentum-correction", "off"],
-    "SGD top-k 0.01, correction": ["--compression", "hvd_topk", "--communication", "artopk", "--ratio", "0.01"],
+    "SGD top-k 0.01, no correction, artopk": ["--compression", "hvd_topk", "--communication", "artopk",
+                                              "--ratio", "0.01", "--momentum-correction", "off"],
+    "SGD top-k 0.01, correction": ["--compression", "hvd_topk", "--communication", "artopk", "--ratio", "0.01",
+                                   "--momentum-correction", "on"],
     "SGD top-k 0.01, correction, allgather": ["--compression", "hvd_topk", "--ratio", "0.01", "--communication",
-                                              "allgather"],
+                                              "allgather", "--momentum-correction", "on"],
     "SGD top-k 0.01, correction, split_reduce": ["--compression", "hvd_topk", "--ratio", "0.01", "--communication",
-                                                 "split_reduce"],
+                                                 "split_reduce", "--momentum-correction", "on"],
     # 8 ranks (--np 8): the same with DGC's warm-up, for every transport
     "SGD top-k 0.01, correction + warm-up": ["--compression", "hvd_topk", "--communication", "artopk", "--ratio",
-                                             "0.01", "--warmup-epochs", "4"],
+                                             "0.01", "--warmup-epochs", "4", "--momentum-correction", "on"],
     "SGD top-k 0.01, correction + warm-up, allgather": ["--compression", "hvd_topk", "--communication", "allgather",
-                                                        "--ratio", "0.01", "--warmup-epochs", "4"],
+                                                        "--ratio", "0.01", "--warmup-epochs", "4",
+                                                        "--momentum-correction", "on"],
     "SGD top-k 0.01, correction + warm-up, split_reduce": ["--compression", "hvd_topk", "--communication",
-                                                           "split_reduce", "--ratio", "0.01", "--warmup-epochs", "4"],
+                                                           "split_reduce", "--ratio", "0.01", "--warmup-epochs", "4",
+                                                           "--momentum-correction", "on"],
     # the stock path: hvd.DistributedOptimizer(compression=TopKEF(...)), each transport; and
     # hvd_topk.DistributedOptimizer with every argument but the ratio at its default
     "SGD stock TopKEF 0.01": ["--compression", "topkef", "--ratio", "0.01"],
@@ -53,6 +56,11 @@ CONFIGS = {
     "SGD stock TopKEF 0.01, allgather": ["--compression", "topkef", "--ratio", "0.01", "--communication",
                                          "allgather"],
     "SGD top-k 0.01, defaults": ["--compression", "hvd_topk", "--ratio", "0.01"],
+    # communication='hierarchical' needs two hosts: run with --hosts 2
+    "SGD top-k 0.01, hierarchical": ["--compression", "hvd_topk", "--ratio", "0.01", "--communication",
+                                     "hierarchical"],
+    "SGD stock TopKEF 0.01, hierarchical": ["--compression", "topkef", "--ratio", "0.01", "--communication",
+                                            "hierarchical"],
     # non-IID (--non-iid: each rank sees 2 label shards): the same front doors at their defaults
     "SGD dense, non-IID": ["--compression", "none", "--non-iid"],
     "SGD stock TopKEF 0.01, non-IID": ["--compression", "topkef", "--ratio", "0.01", "--non-iid"],
@@ -61,6 +69,8 @@ CONFIGS = {
     "SGD stock TopKEF 0.01, allgather, non-IID": ["--compression", "topkef", "--ratio", "0.01", "--communication",
                                                   "allgather", "--non-iid"],
     "SGD top-k 0.01, defaults, non-IID": ["--compression", "hvd_topk", "--ratio", "0.01", "--non-iid"],
+    "SGD top-k 0.01, correction, split_reduce, non-IID": ["--compression", "hvd_topk", "--ratio", "0.01",
+                                                          "--momentum-correction", "on", "--non-iid"],
     # ablation: split_reduce's budget, momentum correction and warm-up under non-IID data
     "SGD stock TopKEF 0.01, budget 2, non-IID": ["--compression", "topkef", "--ratio", "0.01", "--budget", "2",
                                                  "--non-iid"],
@@ -68,11 +78,6 @@ CONFIGS = {
                                           "--non-iid"],
     "SGD top-k 0.01, no correction, non-IID": ["--compression", "hvd_topk", "--ratio", "0.01",
                                                "--momentum-correction", "off", "--non-iid"],
-    "SGD stock TopKEF 0.01, budget 2": ["--compression", "topkef", "--ratio", "0.01", "--budget", "2"],
-    "SGD stock TopKEF 0.01, budget 4": ["--compression", "topkef", "--ratio", "0.01", "--budget", "4"],
-    # 16 ranks at the 8-rank runs' global batch (8 per rank, so as many steps)
-    "SGD dense, batch 8": ["--compression", "none", "--batch-size", "8"],
-    "SGD stock TopKEF 0.01, batch 8": ["--compression", "topkef", "--ratio", "0.01", "--batch-size", "8"],
     "SGD top-k 0.01, no correction": ["--compression", "hvd_topk", "--ratio", "0.01", "--momentum-correction", "off"],
     "SGD top-k 0.01, warm-up": ["--compression", "hvd_topk", "--ratio", "0.01", "--warmup-epochs", "4"],
     "SGD top-k 0.01, warm-up, non-IID": ["--compression", "hvd_topk", "--ratio", "0.01", "--warmup-epochs", "4",
@@ -80,14 +85,17 @@ CONFIGS = {
     "SGD top-k 0.001, no correction": ["--compression", "hvd_topk", "--communication", "artopk",
                                        "--ratio", "0.001", "--momentum-correction", "off"],
     "SGD top-k 0.001, correction + warm-up": ["--compression", "hvd_topk", "--communication", "artopk",
-                                              "--ratio", "0.001", "--warmup-epochs", "4"],
+                                              "--ratio", "0.001", "--warmup-epochs", "4",
+                                              "--momentum-correction", "on"],
     "SGD top-k 0.001, correction + warm-up, allgather": ["--compression", "hvd_topk", "--ratio", "0.001",
-                                                         "--warmup-epochs", "4", "--communication", "allgather"],
+                                                         "--warmup-epochs", "4", "--communication", "allgather",
+                                                         "--momentum-correction", "on"],
     "SGD top-k 0.001, correction + warm-up, split_reduce": ["--compression", "hvd_topk", "--ratio", "0.001",
-                                                            "--warmup-epochs", "4", "--communication", "split_reduce"],
+                                                            "--warmup-epochs", "4", "--communication", "split_reduce",
+                                                            "--momentum-correction", "on"],
     "SGD top-k 0.001, correction + warm-up, global selection": [
         "--compression", "hvd_topk", "--communication", "artopk",
-        "--ratio", "0.001", "--warmup-epochs", "4", "--selection", "global"],
+        "--ratio", "0.001", "--warmup-epochs", "4", "--selection", "global", "--momentum-correction", "on"],
     "Adam dense": ["--compression", "none", "--optimizer", "adam", "--lr", "0.001"],
     "Adam top-k 0.01": ["--compression", "hvd_topk", "--communication", "artopk",
                         "--optimizer", "adam", "--lr", "0.001", "--ratio", "0.01"],
@@ -165,7 +173,7 @@ def run_records(runs, args):
         outs = [os.path.join(tmp, f"r{i}.json") for i in range(len(runs))]
         entries = [[os.path.join(ROOT, "examples", script), "--quiet", "--seed", str(seed), *length,
                     "--json-out", out, *configs[config]] for (config, seed), out in zip(runs, outs)]
-        for failure in run_batch(args.np, entries, timeout_each=1800, cwd=ROOT):
+        for failure in run_batch(args.np, entries, timeout_each=1800, cwd=ROOT, **host_launch(args)):
             if failure is not None:
                 raise failure
         records = []
@@ -173,6 +181,21 @@ def run_records(runs, args):
             with open(out) as f:
                 records.append(json.load(f))
         return records
+
+
+def host_launch(args):
+    """run_job's arguments for ``--hosts``: with 2, Horovod sees two hosts of np/2 ranks each.
+
+    Both names are this machine ("localhost" and "127.0.0.1" start locally, without ssh), but Horovod
+    numbers local and cross ranks by the names, so communication='hierarchical' finds two hosts.
+    Accuracy does not depend on the link, so this measures it without the emulated hosts; step times
+    and inter-host bytes need those (bench/hierarchical.py).
+    """
+    hosts = getattr(args, "hosts", 1)
+    if hosts == 1:
+        return {}
+    return {"hosts": f"localhost:{args.np // 2},127.0.0.1:{args.np // 2}", "interface": "lo",
+            "env": {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}}
 
 
 def dense_reference(config, configs):
@@ -217,6 +240,8 @@ def main():
     p.add_argument("--steps", type=int, default=600, help="lm")
     p.add_argument("--lm-layers", type=int, default=4, help="lm: transformer blocks")
     p.add_argument("--lm-width", type=int, default=128, help="lm: model width (d_model)")
+    p.add_argument("--hosts", type=int, choices=[1, 2], default=1,
+                   help="2: Horovod sees two hosts of np/2 ranks on this machine (for communication='hierarchical')")
     p.add_argument("--configs", nargs="+", default=None, help="default: every config of the example")
     p.add_argument("--out", default=None, help="folder for table.md, runs.json (and loss_curves.png for lm)")
     args = p.parse_args()
@@ -225,6 +250,8 @@ def main():
     bad = [c for c in args.configs if c not in configs]
     if bad:
         p.error(f"--configs: unknown {bad}; choose from {list(configs)}")
+    if args.hosts == 2 and args.np % 2:
+        p.error(f"--hosts 2 needs an even --np, got {args.np}")
     if args.seeds is None:
         args.seeds = [0, 1, 2] if args.example == "digits" else [0]
     records, table = {}, {}
@@ -234,7 +261,7 @@ def main():
         print(f"{config}: {' '.join(f'{a:.4f}' for a in table[config])}", flush=True)
     setup = (f"{args.np} ranks, {args.epochs} epochs, min_numel {args.min_numel}" if args.example == "digits"
              else f"{args.np} ranks, {args.steps} steps, {args.lm_layers}x{args.lm_width} model") + \
-        f", seeds {args.seeds}"
+        (f", {args.hosts} hosts" if args.hosts > 1 else "") + f", seeds {args.seeds}"
     lines = [setup, "", f"| config | mean {metric.replace('_', ' ')} | vs dense | per seed |", "|---|---:|---:|---|"]
     for c, v in table.items():
         ref = dense_reference(c, table)

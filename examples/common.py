@@ -50,19 +50,20 @@ def add_compression_args(parser):
     g.add_argument("--groups", type=int, default=0,
                    help="Horovod's groups: the gradients split into N groups, each sent as one grouped collective "
                         "once all its gradients are ready (fewer, larger messages); 0: no groups")
-    g.add_argument("--communication", choices=["artopk", "allgather", "split_reduce", "dense", "auto"],
+    g.add_argument("--communication", choices=["artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto"],
                    default="split_reduce",
                    help="topkef and hvd_topk: transport (auto: hvd_topk only): artopk (AR-Topk: one shared index set, values allreduced), allgather "
                         "(every rank's own top-k gathered), split_reduce (Ok-Topk: top-k rows to their index "
-                        "region's owner, reduced there, the kept rows gathered), dense, or auto (chosen per tensor "
+                        "region's owner, reduced there, the kept rows gathered), hierarchical (dense inside each host, "
+                        "split_reduce across hosts; needs HOROVOD_DYNAMIC_PROCESS_SETS=1), dense, or auto (chosen per tensor "
                         "from a probe of the link and timed trials)")
     g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
     g.add_argument("--budget", type=float, default=1.0,
                    help="topkef and hvd_topk: split_reduce keeps the largest budget * k summed entries (>= 1)")
     g.add_argument("--selection", choices=["layerwise", "global"], default="layerwise",
                    help="hvd_topk: top-k per tensor, or over all compressed tensors at once")
-    g.add_argument("--momentum-correction", choices=["auto", "on", "off"], default="auto",
-                   help="hvd_topk: DGC momentum correction (auto: on for SGD with momentum)")
+    g.add_argument("--momentum-correction", choices=["on", "off"], default="off",
+                   help="hvd_topk: DGC momentum correction (on: SGD with momentum only)")
     g.add_argument("--warmup-epochs", type=int, default=0, help="hvd_topk: DGC warm-up epochs")
     g.add_argument("--compress", choices=["gradient", "update"], default="gradient",
                    help="hvd_topk: compress the gradients (the optimizer steps on their aggregate) or every "
@@ -126,7 +127,7 @@ def hvd_topk_options(args):
     options = dict(
         communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
         dense_steps=args.dense_steps, selection=args.selection,
-        momentum_correction={"auto": None, "on": True, "off": False}[args.momentum_correction],
+        momentum_correction=args.momentum_correction == "on",
         adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every, compress=args.compress,
         local_momentum=args.local_momentum == "on",
         value_dtype=torch.float16 if args.value_dtype == "float16" else None, groups=args.groups or None)

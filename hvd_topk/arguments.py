@@ -84,9 +84,9 @@ def check_optimizer(*, optimizer, compression, backward_passes_per_step, op, gra
     # normalisation, so correcting it would change what the optimizer computes.
     has_momentum = isinstance(optimizer, torch.optim.SGD) and \
         any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
-    if momentum_correction is None:
-        momentum_correction = has_momentum and compress == "gradient"
-    elif momentum_correction and not has_momentum:
+    if momentum_correction not in (None, False, True):
+        raise ValueError(f"momentum_correction must be True or False, got {momentum_correction!r}")
+    if momentum_correction and not has_momentum:
         raise ValueError("momentum_correction=True needs an optimizer with momentum > 0: torch.optim.SGD "
                          f"or a subclass (got {type(optimizer).__name__} without SGD's momentum)")
     check_groups(groups, optimizer)

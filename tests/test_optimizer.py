@@ -101,10 +101,21 @@ def test_momentum_correction_needs_momentum(hvd):
                                           momentum_correction=True)
 
 
+def test_momentum_correction_is_off_by_default_and_checked(hvd):
+    model = nn.Linear(4, 4)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert opt._hvd_topk.momentum.settings == {}          # the user's momentum acts on the aggregate
+    assert opt.param_groups[0]["momentum"] == 0.9
+    with pytest.raises(ValueError, match="momentum_correction must be True or False, got 'yes'"):
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      named_parameters=model.named_parameters(), momentum_correction="yes")
+
+
 def test_momentum_correction_keeps_the_users_settings_visible_and_hides_them_from_the_inner_step(hvd):
     model = nn.Linear(4, 4)
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), momentum_correction=True)
     group = opt.param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.9, True, 1e-4)
     assert opt._hvd_topk.momentum.settings["weight"] == (0.9, 0.0, True, 1e-4)

@@ -53,6 +53,8 @@ def train(kind, options):
     if options.pop("optimizer", "sgd") == "adam":
         base = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:
+        if kind == "opt" and options.get("compress", "gradient") == "gradient":
+            options.setdefault("momentum_correction", True)   # the default when the reference was recorded
         base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=options.pop("nesterov", False),
                                weight_decay=options.pop("weight_decay", 0.0))
     op = hvd.Sum if options.pop("op", "average") == "sum" else hvd.Average
