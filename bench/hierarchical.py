@@ -13,11 +13,17 @@ hosts' deltas summed, over the steps, are every byte that crossed between the ho
 (gradients, Horovod's negotiation, the launcher's ssh). (The per-step deltas read during the rounds,
 where a transfer that outlives its step lands in the next mode's window, are kept too: ``rounds_bytes``.)
 
+``--launcher mpi``: mpirun instead, with Open MPI's shared-memory transport (vader) between the ranks
+of a host and TCP on eth0 between the hosts (``bench/infra/launch.py``, ``shared_memory``): Horovod's
+CPU collectives then go through MPI, and hierarchical's dense reduce-scatter inside a host through
+memory, as on a real host, instead of Gloo's TCP over the loopback.
+
 Horovod reads ``HOROVOD_HIERARCHICAL_ALLREDUCE`` once, at ``hvd.init``, for the whole job, so its dense
 mode runs in a second job per link, with ``hvd_topk hierarchical`` beside it again: the two are compared
 within that job.
 
     python -m bench.hierarchical --bandwidths 100mbit,1gbit --rounds 15 --out bench/results/hierarchical_r0.01
+    python -m bench.hierarchical --launcher mpi --bandwidths 100mbit --out bench/results/hierarchical_r0.01_mpi
 """
 import argparse
 import json
@@ -143,13 +149,18 @@ def targets(rows_by_link):
     return out
 
 
-def report(rows_by_link, command):
+LAUNCHERS = {"gloo": "horovodrun, Gloo",
+             "mpi": "mpirun, Open MPI: shared memory (vader) inside a host, TCP on eth0 between the hosts"}
+
+
+def report(rows_by_link, command, launcher="gloo"):
     L = ["# communication='hierarchical' across 2 emulated hosts x 2 ranks, side by side", "",
-         "Wide digits CNN (6.33M parameters), ratio as given, 2 hosts x 2 ranks (horovodrun, Gloo), each "
+         f"Wide digits CNN (6.33M parameters), ratio as given, 2 hosts x 2 ranks ({LAUNCHERS[launcher]}), each "
          "host's eth0 limited by tbf. Step: rank 0, zero_grad to the end of step, median and quartiles over "
          "the rounds; inter-host bytes per step: both hosts' eth0 tx over steps of the mode alone (in the "
          "rounds: the mean of the per-step deltas, approximate; see `bench/hierarchical.py`). Rows marked (HHA job) ran in the second job of the link, with "
-         "HOROVOD_HIERARCHICAL_ALLREDUCE=1.", "", f"Command: `{command}`", ""]
+         "HOROVOD_HIERARCHICAL_ALLREDUCE=1.", "", f"Command: `{command}`", "",
+         "Plot: [hierarchical.png](hierarchical.png)", ""]
     for link, rows in rows_by_link.items():
         L += [f"## {link}", "", "| mode | median step (ms) | quartiles | inter-host bytes/step | in the rounds |",
               "|---|---:|---|---:|---:|"]
@@ -177,8 +188,10 @@ def driver(a):
         hosts.up()
         rows = {}
         try:
-            for job, modes, env in (("modes", a.modes, {}),
-                                    ("hha", ["dense", "hvd_topk hierarchical"], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})):
+            jobs = [("modes", a.modes, {})]
+            if not a.no_hha:
+                jobs.append(("hha", ["dense", "hvd_topk hierarchical"], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}))
+            for job, modes, env in jobs:
                 with tempfile.TemporaryDirectory() as tmp:
                     js = os.path.join(tmp, "r.json")
                     argv = [sys.executable, "-m", "bench.hierarchical", "--worker", "--json-out", js, "--modes",
@@ -186,14 +199,15 @@ def driver(a):
                             str(a.warmup), "--batch-size", str(a.batch_size), "--bytes-steps", str(a.bytes_steps)]
                     t0 = time.perf_counter()
                     try:
-                        run_job(2 * SLOTS, argv, timeout=a.timeout, prefix=hosts.hosts[0].prefix, cwd=ROOT,
-                                hosts=hosts.host_list(SLOTS), interface="eth0",
-                                env={"HOROVOD_CYCLE_TIME": CYCLE_TIME_MS, **env})
+                        run_job(2 * SLOTS, argv, backend=a.launcher, timeout=a.timeout, prefix=hosts.hosts[0].prefix,
+                                cwd=ROOT, hosts=hosts.host_list(SLOTS), interface="eth0",
+                                env={"HOROVOD_CYCLE_TIME": CYCLE_TIME_MS, **env},
+                                shared_memory=a.launcher == "mpi")
                     finally:
                         hosts.kill_strays()
                     with open(js) as f:
                         record = json.load(f)
-                record["command"], record["env"] = command, env
+                record["command"], record["env"], record["launcher"] = command, env, a.launcher
                 with open(os.path.join(a.out, f"{link}-{job}.json"), "w") as f:
                     json.dump(record, f)
                 summary = summarise(record)
@@ -207,11 +221,13 @@ def driver(a):
                 hosts.down()
         rows_by_link[link] = rows
     with open(os.path.join(a.out, "summary.json"), "w") as f:
-        json.dump({"links": rows_by_link, "targets": targets(rows_by_link)}, f, indent=1)
-    text = report(rows_by_link, command)
+        json.dump({"launcher": a.launcher, "links": rows_by_link, "targets": targets(rows_by_link)}, f, indent=1)
+    text = report(rows_by_link, command, a.launcher)
     with open(os.path.join(a.out, "report.md"), "w") as f:
         f.write(text)
     print(text)
+    from bench.plot_hierarchical import plot
+    print(plot(a.out, f"{os.path.basename(os.path.normpath(a.out))} ({LAUNCHERS[a.launcher].split(',')[0]})"))
 
 
 def parse_args(argv=None):
@@ -223,6 +239,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="steps of every mode alone before the rounds")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--bytes-steps", type=int, default=5, help="steps of every mode alone, for its bytes")
+    p.add_argument("--launcher", choices=sorted(LAUNCHERS), default="gloo",
+                   help="gloo: horovodrun --gloo; mpi: mpirun, shared memory inside a host")
+    p.add_argument("--no-hha", action="store_true", help="skip the HOROVOD_HIERARCHICAL_ALLREDUCE=1 job")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--out", default=os.path.join(RESULTS, "hierarchical"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
