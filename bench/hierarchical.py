@@ -35,8 +35,12 @@ import tempfile
 import time
 
 from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT
+from bench.sidebyside import _auto_busy
 
 MODES = ("dense", "hvd_topk split_reduce", "hvd_topk hierarchical", "topkef", "topkef hierarchical")
+# on request: Horovod's fp16 compression, and auto (flat: it has no hierarchical plan), warmed up until
+# its probe and trial are over (at most --max-warmup steps)
+EXTRA_MODES = ("fp16", "hvd_topk auto")
 HHA = "dense, HOROVOD_HIERARCHICAL_ALLREDUCE=1"
 SLOTS = 2
 # the targets (inter-host bytes and step time, as fractions of the mode named)
@@ -76,7 +80,8 @@ def worker(a):
         else:
             communication = mode.split()[1] if " " in mode else "split_reduce"
             compression = (TopKEF(ratio=a.ratio, named_parameters=named, communication=communication)
-                           if mode.startswith("topkef") else hvd.Compression.none)
+                           if mode.startswith("topkef") else hvd.Compression.fp16 if mode == "fp16"
+                           else hvd.Compression.none)
             opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=compression)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         arms.append((mode, model, opt))
@@ -96,7 +101,9 @@ def worker(a):
     record = {mode: {"step_s": [], "tx": []} for mode in a.modes}
     steps = {mode: 0 for mode in a.modes}
     for mode, model, opt in arms:                       # warm-up: each mode alone, in turn
-        for _ in range(a.warmup):
+        while steps[mode] < a.warmup or (mode == "hvd_topk auto" and _auto_busy(opt.auto_state())):
+            if steps[mode] >= a.max_warmup:
+                raise RuntimeError(f"{mode}: still probing or in its trial after {steps[mode]} steps (--max-warmup)")
             step(model, opt, steps[mode])
             steps[mode] += 1
     for r in range(a.rounds):
@@ -196,7 +203,8 @@ def driver(a):
                     js = os.path.join(tmp, "r.json")
                     argv = [sys.executable, "-m", "bench.hierarchical", "--worker", "--json-out", js, "--modes",
                             ",".join(modes), "--ratio", str(a.ratio), "--rounds", str(a.rounds), "--warmup",
-                            str(a.warmup), "--batch-size", str(a.batch_size), "--bytes-steps", str(a.bytes_steps)]
+                            str(a.warmup), "--max-warmup", str(a.max_warmup), "--batch-size", str(a.batch_size),
+                            "--bytes-steps", str(a.bytes_steps)]
                     t0 = time.perf_counter()
                     try:
                         run_job(2 * SLOTS, argv, backend=a.launcher, timeout=a.timeout, prefix=hosts.hosts[0].prefix,
@@ -233,10 +241,11 @@ def driver(a):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bandwidths", default="100mbit,1gbit", help=f"comma-separated, of {list(BANDWIDTHS)}")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES + EXTRA_MODES)}")
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--rounds", type=int, default=15, help="turns of every mode after the warm-up")
     p.add_argument("--warmup", type=int, default=3, help="steps of every mode alone before the rounds")
+    p.add_argument("--max-warmup", type=int, default=400, help="hvd_topk auto: steps allowed for its probe and trial")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--bytes-steps", type=int, default=5, help="steps of every mode alone, for its bytes")
     p.add_argument("--launcher", choices=sorted(LAUNCHERS), default="gloo",
@@ -249,9 +258,9 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.bandwidths = [b for b in a.bandwidths.split(",") if b]
     a.modes = [m for m in a.modes.split(",") if m]
-    bad = [b for b in a.bandwidths if b not in BANDWIDTHS] + [m for m in a.modes if m not in MODES]
+    bad = [b for b in a.bandwidths if b not in BANDWIDTHS] + [m for m in a.modes if m not in MODES + EXTRA_MODES]
     if bad or not a.modes:
-        p.error(f"--bandwidths take {list(BANDWIDTHS)}, --modes {list(MODES)}; got {bad or a.modes}")
+        p.error(f"--bandwidths take {list(BANDWIDTHS)}, --modes {list(MODES + EXTRA_MODES)}; got {bad or a.modes}")
     if a.rounds < 2 or a.warmup < 0 or a.batch_size < 1 or a.bytes_steps < 1:
         p.error("--rounds must be >= 2, --warmup >= 0, --batch-size and --bytes-steps >= 1")
     return a
