@@ -141,12 +141,38 @@ def test_changed_gradient_sequence_raises_instead_of_mixing_residuals(hvd):
     a, b = torch.randn(100), torch.randn(50)
     run_step(comp, [a, b])
     with pytest.raises(ValueError, match="sequence of gradients changed"):
-        comp.compress(b)                                   # a different first gradient
+        comp.compress(torch.randn(50))                     # a different first gradient (a new tensor)
     comp2 = TopKEF(ratio=0.1, min_numel=0)
     run_step(comp2, [a, b])
     out, ctx = comp2.compress(a)                           # second step misses b (frozen layer)
     with pytest.raises(ValueError, match="compressed 1 gradients, the first step 2"):
         comp2.decompress(out, ctx)
+
+
+@pytest.mark.parametrize("communication", SPARSE)
+def test_unnamed_topkef_keeps_the_slot_of_a_gradient_compressed_again(hvd, communication):
+    """optimizer.step() after optimizer.synchronize(), without skip_synchronize(), makes Horovod compress
+    every gradient again, iterating a set, in another order on each process (Horovod's own
+    test_synchronize_step_warning): the very tensor compressed last step keeps its slot."""
+    comp = TopKEF(ratio=0.1, min_numel=0, communication=communication)
+    a, b = torch.randn(100), torch.randn(50)
+    run_step(comp, [a, b])
+    compressed = [comp.compress(t) for t in (b, a)]         # by position, b would meet a's (100,) slot
+    assert [ctx.key for _, ctx in compressed] == [1, 0]
+    outs = [comp.decompress(out.clone(), ctx) for out, ctx in compressed]
+    assert [o.shape for o in outs] == [(50,), (100,)]
+    assert comp.memory.residuals[0].shape == (100,) and comp.memory.residuals[1].shape == (50,)
+    run_step(comp, [torch.randn(100), torch.randn(50)])     # new tensors: by position, as before
+
+
+def test_unnamed_topkef_refuses_a_slot_claimed_by_identity_and_by_position(hvd):
+    """A reordered step mixing the last step's tensors with new ones cannot be keyed: it raises."""
+    comp = TopKEF(ratio=0.1, min_numel=0)
+    a, b = torch.randn(100), torch.randn(50)
+    run_step(comp, [a, b])
+    comp.compress(b)                                        # slot 1, by identity
+    with pytest.raises(ValueError, match="slot #1 is handed out twice.*named_parameters"):
+        comp.compress(torch.randn(100))                     # position 1: slot 1 again
 
 
 @pytest.mark.parametrize("communication", SPARSE)
