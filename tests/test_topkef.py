@@ -65,10 +65,24 @@ def test_class_usage_uses_default_instance_with_ratio_001(hvd):
 
 
 def test_artopk_hands_horovod_k_values_and_a_flag(hvd):
+    """The first step adds the 4-element op token (Horovod's op and process set, checked once)."""
     comp = TopKEF(communication="artopk")
+    for step in range(3):
+        out, ctx = comp.compress(torch.randn(5000))
+        assert out.numel() == math.ceil(0.01 * 5000) + 1 + (4 if step == 0 else 0)
+        assert comp.decompress(out, ctx).shape == (5000,)
+
+
+def test_artopk_first_step_reduced_over_another_process_set_names_process_set(hvd):
+    """Horovod summed the first step's buffer over 2 ranks, TopKEF has 1 (the optimizer's process_set was
+    not given to it): decompress raises, naming process_set, before any value is used."""
+    comp = TopKEF(ratio=0.01, min_numel=0, communication="artopk")
     out, ctx = comp.compress(torch.randn(5000))
-    assert out.numel() == math.ceil(0.01 * 5000) + 1
-    assert comp.decompress(out, ctx).shape == (5000,)
+    reduced = out.clone()
+    reduced[-4:] *= 2                                     # [1, 1, f, f*f] from each of 2 ranks
+    reduced[-3] = 1.0                                     # only one of them is rank 0
+    with pytest.raises(ValueError, match="process_set"):
+        comp.decompress(reduced, ctx)
 
 
 @pytest.mark.parametrize("bad", ["ring", None, "SPLIT_REDUCE"])
