@@ -77,9 +77,11 @@ _WITHOUT_MUON = "               subclass != torch.optim.SparseAdam and subclass.
 
 def tests_without_muon(horovod_source, into):
     """A copy of Horovod's test/parallel in ``into`` whose optimizer lists leave out torch's Muon (the
-    only change); returns its test_torch.py. Raises if the file is not the one this was written for."""
+    only change); returns its test_torch.py. Raises if the file is not the one this was written for.
+    test/utils is copied beside it: test_torch.py imports its ``common`` from ``../utils``."""
     parallel = os.path.join(into, "parallel")
     shutil.copytree(os.path.join(horovod_source, "test", "parallel"), parallel)
+    shutil.copytree(os.path.join(horovod_source, "test", "utils"), os.path.join(into, "utils"))
     path = os.path.join(parallel, "test_torch.py")
     with open(path) as f:
         text = f.read()

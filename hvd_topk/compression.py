@@ -12,7 +12,9 @@ drives) with Horovod's public asynchronous collectives, named per parameter:
   collectives, and split_reduce runs its later phases for all tensors in one agreed (sorted) order:
   no deadlock, whatever order the ranks' gradients became ready in.
 - ``artopk``: every rank sends its accumulator at one leader's shared index set (``index_sets``), and
-  Horovod's own allreduce sums the k values (+ one flag). Fewest collectives; one leader's choice.
+  Horovod's own allreduce sums the k values (+ one flag; + the token in a tensor's first step, which
+  checks the op and process set before the index sets' first allgather). Fewest collectives; one
+  leader's choice.
 - ``dense`` (or ratio 1.0): the gradient + one flag go to Horovod's allreduce: dense Horovod.
 
 Which parameter a gradient belongs to: ``gradient_keys``. Horovod's ``op`` may be Average or Sum
@@ -169,8 +171,8 @@ class TopKEF(Compressor):
 
     @_ClassOrInstance
     def compress(self, tensor):
-        """Horovod contract: ``(tensor_to_allreduce, ctx)``: the token, ``[k values..., flag]`` or the
-        gradient itself (module docstring)."""
+        """Horovod contract: ``(tensor_to_allreduce, ctx)``: the token, ``[k values..., flag]`` (+ the
+        token in a tensor's first step) or the gradient itself (module docstring)."""
         with _ends_job_on_mismatch():
             out = self._compress(tensor)
         if self.keys.step_complete():

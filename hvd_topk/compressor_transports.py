@@ -9,7 +9,13 @@
    then finishes the transport (split_reduce runs its later phases for every key at the first
    ``receive`` of a step, in sorted key order: every rank has started every first phase by then).
 2. ``artopk``: the k values at the shared index set + a flag go to Horovod's allreduce; the next
-   step's sets leave in one allgather once the step's last gradient is compressed (``flush``).
+   step's sets leave in one allgather once the step's last gradient is compressed (``flush``). A key's
+   first step also carries the ``op_token``, read in ``receive`` before that step's ``flush``: the
+   allgather runs over TopKEF's process_set, so if Horovod reduces over another set (the optimizer's,
+   not given to TopKEF), ranks outside it never join and every later step would wait for them
+   forever; Horovod's op too is checked once. So does a key's first step after ``load_state_dict``
+   (a resumed job may run with another set). Later steps send no token (the set and op cannot
+   change; mismatched keys show in the allgather's plan check).
 3. ``dense`` (and any tensor whose k is its size): the accumulator + a flag go to Horovod's allreduce.
 
 The sums are taken as sums; ``receive`` divides by P when the token says Horovod averaged, with the
@@ -17,9 +23,10 @@ same ``mul_(1/P)`` as the optimizer's transports.
 """
 import math
 
+import torch
 from horovod.torch import mpi_ops
 
-from .op_token import OpToken
+from .op_token import TOKEN_SIZE, OpToken
 from .transports import ARTopk, SparseAllgather, SplitReduce
 from .transports.collectives import Collectives
 from .transports.index_sets import IndexPipeline
@@ -47,6 +54,7 @@ class CompressorTransports:
                  sync_indices=False, budget=1.0):
         self.communication, self.process_set = communication, process_set
         self.steps = {}                       # key -> artopk steps so far (same on all ranks)
+        self.unchecked = set()                # artopk: keys restored with steps > 0, not yet sent a token
         self.index_sets = IndexPipeline(f"{tag}.indices", sync=sync_indices, mismatch_hint=mismatch_hint,
                                         process_set=process_set, on_leaders_differ=lambda: self.steps.clear())
         self.artopk = ARTopk(self.index_sets, StarLeaders(key_index, process_set))
@@ -82,12 +90,19 @@ class CompressorTransports:
         buf, indices, _ = self.artopk.pack(key, acc, k, finite, grad.reshape(-1), step, k)
         if indices is not None:
             acc.index_fill_(0, indices, 0)
+        if self.communication == "artopk" and (step == 0 or key in self.unchecked):    # module docstring, 2.
+            self.unchecked.discard(key)
+            buf = torch.cat([buf, self.token.make(key, buf)])
         return buf, None, indices
 
     def receive(self, reduced, key, shape, started, indices, acc):
         """(flat aggregate, or None if some rank was non-finite; candidate residual or None)."""
         if started is None:
-            aggregate = ARTopk.unpack(reduced, indices, math.prod(shape), reduced.dtype)
+            numel = math.prod(shape)
+            if reduced.numel() == (numel if indices is None else indices.numel()) + 1 + TOKEN_SIZE:
+                self.token.average(reduced[-TOKEN_SIZE:], key)   # raises, on every rank, before any value
+                reduced = reduced[:-TOKEN_SIZE]                  # is used (Horovod averaged the values)
+            aggregate = ARTopk.unpack(reduced, indices, numel, reduced.dtype)
             return aggregate, None if indices is None else acc
         average = self.token.average(reduced, key)       # raises, on every rank, before any value is used
         outcome = started.finish()
@@ -108,6 +123,7 @@ class CompressorTransports:
 
     def load_state_dict(self, state):
         self.steps = dict(state["steps"])
+        self.unchecked = set(self.steps)
         self.index_sets.load_state_dict(state["next_indices"])
         self.own["split_reduce"].forget()
         self.own["split_reduce"].regions.load_state_dict(state.get("regions"))

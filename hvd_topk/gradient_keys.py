@@ -7,10 +7,12 @@ Horovod's ``Compressor.compress(tensor)`` receives only the gradient, not its pa
   sets are then keyed by name: robust to any order of the step (a parameter some rank left unused is
   compressed at ``synchronize()``, two optimizers stepping in turn, ``synchronize()`` called twice).
 - ``SlotSequence`` (no names): the i-th compress of a step is slot i, by position, checked against the
-  first step's shapes.
+  first step's shapes; a gradient tensor compressed in the last step keeps the slot it had there.
 
 Both mark the step's boundaries: Horovod compresses every gradient of a step before it decompresses any.
 """
+
+import weakref
 
 __all__ = ["ParameterKeys", "SlotSequence"]
 
@@ -89,6 +91,13 @@ class SlotSequence:
     i-th compress of a step belongs to the i-th parameter of the first step. The first step records
     each slot's (shape, dtype, device); later steps must match it exactly, or we raise instead of
     applying a residual to the wrong tensor.
+
+    One exception to "by position": a tensor that is the very object compressed in the last step (it
+    is still alive, so it is still that parameter's ``.grad``) keeps its slot. ``optimizer.step()``
+    after ``optimizer.synchronize()`` without ``skip_synchronize()`` makes Horovod reduce every
+    gradient again, iterating a set of parameters, whose order differs between processes; by position,
+    the ranks would then key the same gradient differently. (Fresh gradients, the usual case after
+    ``zero_grad()``, are matched by position as before.)
     """
 
     def __init__(self):
@@ -98,6 +107,10 @@ class SlotSequence:
         self.position = 0         # slots handed out in the current step
         self.pending = 0          # compressed but not yet decompressed in the current step
         self.decompressing = False
+        # id(tensor) -> (weak reference, slot): weak, so that no gradient is kept alive, and checked by
+        # identity, so that a new tensor at a reused address is not taken for the old one
+        self.last, self.current = {}, {}
+        self.taken = set()        # slots handed out in the current step
 
     def next_slot(self, tensor):
         """Slot of the next gradient of this step; raises ValueError if the sequence changed."""
@@ -109,10 +122,18 @@ class SlotSequence:
                     "named_parameters=model.named_parameters(), and let Horovod's synchronize() finish every step")
             self.decompressing = False
             self.position = 0
+            self.last, self.current, self.taken = self.current, {}, set()
         signature = (tuple(tensor.shape), tensor.dtype, tensor.device)
-        slot = self.position
+        slot = self._slot_of_same_tensor(tensor)
+        if slot is None:
+            slot = self.position
         if not self.complete:
             self.signatures.append(signature)
+        elif slot in self.taken:
+            raise ValueError(
+                f"TopKEF: slot #{slot} is handed out twice in this step: the gradients came in another "
+                "order than in the last step, and not all of them are the last step's tensors. Without names "
+                "TopKEF keeps residuals by position; give it named_parameters=model.named_parameters()")
         elif slot >= len(self.signatures):
             raise ValueError(
                 f"TopKEF: this step compresses more gradients than the first step "
@@ -126,9 +147,16 @@ class SlotSequence:
                 "gradients changed (different model, or a parameter frozen mid-run). Refusing to "
                 "apply a residual to the wrong tensor; with TopKEF(named_parameters=model.named_parameters()) "
                 "residuals are kept by parameter name instead")
+        self.current[id(tensor)] = (weakref.ref(tensor), slot)
+        self.taken.add(slot)
         self.position += 1
         self.pending += 1
         return slot
+
+    def _slot_of_same_tensor(self, tensor):
+        """The slot ``tensor`` had in the last step if it is that very object, else None."""
+        ref, slot = self.last.get(id(tensor), (None, None))
+        return slot if ref is not None and ref() is tensor else None
 
     def next_key(self, tensor):
         return self.next_slot(tensor)
@@ -138,6 +166,7 @@ class SlotSequence:
         self.signatures, self.complete = list(signatures), bool(signatures)
         self.position = self.pending = 0
         self.decompressing = False
+        self.last, self.current, self.taken = {}, {}, set()
 
     def step_complete(self):
         """True once this step has handed out every slot of the first step."""

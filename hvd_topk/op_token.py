@@ -21,9 +21,10 @@ import zlib
 import torch
 from horovod.torch import mpi_ops
 
-__all__ = ["OpToken", "fingerprint"]
+__all__ = ["OpToken", "fingerprint", "TOKEN_SIZE"]
 
 FINGERPRINTS = 16
+TOKEN_SIZE = 4                # elements of a token
 
 
 def fingerprint(key):

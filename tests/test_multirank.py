@@ -157,15 +157,19 @@ def test_positional_topkef_given_the_optimizers_process_set_trains_within_it(res
     assert not torch.equal(ranks[2]["params"]["0.weight"], ranks[0]["params"]["0.weight"])
 
 
-@pytest.mark.parametrize("form", ["positional", "class", pytest.param("named", marks=pytest.mark.slow)])
-def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(run_ranks, form):
+@pytest.mark.parametrize("form,communication", [("positional", "split_reduce"), ("class", "split_reduce"),
+                                                ("positional", "artopk"),
+                                                pytest.param("named", "split_reduce", marks=pytest.mark.slow)])
+def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(run_ranks, form, communication):
     """The optimizer reduces within {0, 1} of 3 ranks; TopKEF is not given that set (the class form
     cannot be), so its collectives span rank 2, which never joins them. Ranks 0 and 1 raise at the
     first step, naming process_set; rank 2 carries on to its next global collective, which they never
     reach, and is ended there by their shutdown of Horovod. It used to hang until killed (the launch's
-    timeout then fails it here too: the job ends long after the first error)."""
+    timeout then fails it here too: the job ends long after the first error). artopk's collective (the
+    index sets' allgather) starts at the end of the first step and is first waited for in the second."""
     with pytest.raises(JobFailed) as failed:
-        run_ranks(3, "outside_set.py", "--compression", form, "--topkef-set", "none", timeout=150)
+        run_ranks(3, "outside_set.py", "--compression", form, "--topkef-set", "none",
+                  "--communication", communication, timeout=150)
     ended = time.time()
     output = failed.value.output
     raised_at = []

@@ -65,10 +65,24 @@ def test_class_usage_uses_default_instance_with_ratio_001(hvd):
 
 
 def test_artopk_hands_horovod_k_values_and_a_flag(hvd):
+    """The first step adds the 4-element op token (Horovod's op and process set, checked once)."""
     comp = TopKEF(communication="artopk")
+    for step in range(3):
+        out, ctx = comp.compress(torch.randn(5000))
+        assert out.numel() == math.ceil(0.01 * 5000) + 1 + (4 if step == 0 else 0)
+        assert comp.decompress(out, ctx).shape == (5000,)
+
+
+def test_artopk_first_step_reduced_over_another_process_set_names_process_set(hvd):
+    """Horovod summed the first step's buffer over 2 ranks, TopKEF has 1 (the optimizer's process_set was
+    not given to it): decompress raises, naming process_set, before any value is used."""
+    comp = TopKEF(ratio=0.01, min_numel=0, communication="artopk")
     out, ctx = comp.compress(torch.randn(5000))
-    assert out.numel() == math.ceil(0.01 * 5000) + 1
-    assert comp.decompress(out, ctx).shape == (5000,)
+    reduced = out.clone()
+    reduced[-4:] *= 2                                     # [1, 1, f, f*f] from each of 2 ranks
+    reduced[-3] = 1.0                                     # only one of them is rank 0
+    with pytest.raises(ValueError, match="process_set"):
+        comp.decompress(reduced, ctx)
 
 
 @pytest.mark.parametrize("bad", ["ring", None, "SPLIT_REDUCE"])
@@ -141,12 +155,38 @@ def test_changed_gradient_sequence_raises_instead_of_mixing_residuals(hvd):
     a, b = torch.randn(100), torch.randn(50)
     run_step(comp, [a, b])
     with pytest.raises(ValueError, match="sequence of gradients changed"):
-        comp.compress(b)                                   # a different first gradient
+        comp.compress(torch.randn(50))                     # a different first gradient (a new tensor)
     comp2 = TopKEF(ratio=0.1, min_numel=0)
     run_step(comp2, [a, b])
     out, ctx = comp2.compress(a)                           # second step misses b (frozen layer)
     with pytest.raises(ValueError, match="compressed 1 gradients, the first step 2"):
         comp2.decompress(out, ctx)
+
+
+@pytest.mark.parametrize("communication", SPARSE)
+def test_unnamed_topkef_keeps_the_slot_of_a_gradient_compressed_again(hvd, communication):
+    """optimizer.step() after optimizer.synchronize(), without skip_synchronize(), makes Horovod compress
+    every gradient again, iterating a set, in another order on each process (Horovod's own
+    test_synchronize_step_warning): the very tensor compressed last step keeps its slot."""
+    comp = TopKEF(ratio=0.1, min_numel=0, communication=communication)
+    a, b = torch.randn(100), torch.randn(50)
+    run_step(comp, [a, b])
+    compressed = [comp.compress(t) for t in (b, a)]         # by position, b would meet a's (100,) slot
+    assert [ctx.key for _, ctx in compressed] == [1, 0]
+    outs = [comp.decompress(out.clone(), ctx) for out, ctx in compressed]
+    assert [o.shape for o in outs] == [(50,), (100,)]
+    assert comp.memory.residuals[0].shape == (100,) and comp.memory.residuals[1].shape == (50,)
+    run_step(comp, [torch.randn(100), torch.randn(50)])     # new tensors: by position, as before
+
+
+def test_unnamed_topkef_refuses_a_slot_claimed_by_identity_and_by_position(hvd):
+    """A reordered step mixing the last step's tensors with new ones cannot be keyed: it raises."""
+    comp = TopKEF(ratio=0.1, min_numel=0)
+    a, b = torch.randn(100), torch.randn(50)
+    run_step(comp, [a, b])
+    comp.compress(b)                                        # slot 1, by identity
+    with pytest.raises(ValueError, match="slot #1 is handed out twice.*named_parameters"):
+        comp.compress(torch.randn(100))                     # position 1: slot 1 again
 
 
 @pytest.mark.parametrize("communication", SPARSE)

@@ -24,6 +24,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--compression", choices=["named", "positional", "class"], required=True)
 p.add_argument("--topkef-set", choices=["optimizer", "none"], required=True)
 p.add_argument("--steps", type=int, default=3)
+p.add_argument("--communication", default="split_reduce", help="TopKEF's transport (not for the class form)")
 args = p.parse_args()
 
 pair = hvd.ProcessSet([0, 1])
@@ -33,6 +34,7 @@ torch.manual_seed(5)
 model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1))      # the 2048-entry weight is compressed
 named = list(model.named_parameters())
 given = {"process_set": pair} if args.topkef_set == "optimizer" else {}
+given["communication"] = args.communication
 compression = {"named": lambda: TopKEF(ratio=0.05, named_parameters=named, **given),
                "positional": lambda: TopKEF(ratio=0.05, **given),
                "class": lambda: TopKEF}[args.compression]()
