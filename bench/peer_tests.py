@@ -12,8 +12,10 @@ everything to ``horovod.torch`` except ``DistributedOptimizer``, which builds th
     python -m bench.peer_tests --horovod-source ~/src/horovod --front-door hvd_topk --np 2
 
 Front doors: ``horovod`` (nothing swapped: the baseline, since some tests fail on torch 2.13 as
-they stand), ``topkef`` (``compression=TopKEF(named_parameters=...)``), ``topkef_unnamed`` (an
-instance without names), ``topkef_class`` (``compression=TopKEF``) and ``hvd_topk``
+they stand), ``topkef`` (``compression=TopKEF(named_parameters=..., process_set=...)``, given the
+optimizer's process set as TopKEF's docs ask), ``topkef_unnamed`` (an instance without names or process
+set: where the optimizer has a process set, it must fail on every rank, naming ``process_set``),
+``topkef_class`` (``compression=TopKEF``) and ``hvd_topk``
 (``hvd_topk.DistributedOptimizer``). Each test runs in a job of its own with a 120 s limit, so a hang
 shows as a timeout, not as a stuck run. Prints one line per test and the tally.
 """
@@ -55,7 +57,9 @@ class SwappedHorovod:
             return hvd_topk.DistributedOptimizer(optimizer, named_parameters=named_parameters,
                                                  compression=TopKEF(ratio=self._ratio), **kwargs)
         named = list(named_parameters) if named_parameters is not None else None
-        comp = {"topkef": lambda: TopKEF(ratio=self._ratio, min_numel=0, named_parameters=named),
+        process_set = kwargs.get("process_set", self._hvd.global_process_set)
+        comp = {"topkef": lambda: TopKEF(ratio=self._ratio, min_numel=0, named_parameters=named,
+                                         process_set=process_set),
                 "topkef_unnamed": lambda: TopKEF(ratio=self._ratio, min_numel=0),
                 "topkef_class": lambda: TopKEF}[self._front_door]()
         return self._hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=comp, **kwargs)
