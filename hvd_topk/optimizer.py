@@ -52,11 +52,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             densifies them and then compresses them like any gradient. With a ``process_set`` only its
             ranks communicate, and every rank counts within it; the others step on their own gradients,
             as in Horovod. The arguments after ``process_set`` are hvd_topk's and keyword-only.
-        momentum_correction: DGC momentum correction + factor masking, for ``torch.optim.SGD`` with
-            momentum > 0 in some group; True without SGD's momentum raises ValueError. Off by default
-            (False or None): the user's momentum then acts on the aggregate, as in stock Horovod, which
-            held accuracy and test loss better at 8 ranks, IID and non-IID (docs/results.md). The
-            settings stay in ``param_groups``, read at every step (``hvd_topk.dgc``).
+        momentum_correction: DGC momentum correction + factor masking (``hvd_topk.dgc``), for SGD with
+            momentum > 0 in some group, else ValueError. Off by default: the user's momentum on the
+            aggregate held accuracy and loss better at 8 ranks, IID and non-IID (docs/results.md).
         warmup_steps: DGC warm-up over this many steps, density ratio ** ((t+1)/(W+1)) then ratio.
         warmup_epochs: the same schedule per epoch; call ``opt.set_epoch(epoch)`` at each epoch start.
         dense_steps: the first dense_steps steps send every element (density 1, a plain allreduce of
