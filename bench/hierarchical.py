@@ -34,13 +34,14 @@ import sys
 import tempfile
 import time
 
+from bench.constants import AUTO_MODE as AUTO
 from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT
-from bench.sidebyside import _auto_busy
+from bench.sidebyside import auto_busy
 
 MODES = ("dense", "hvd_topk split_reduce", "hvd_topk hierarchical", "topkef", "topkef hierarchical")
 # on request: Horovod's fp16 compression, and auto (flat: it has no hierarchical plan), warmed up until
 # its probe and trial are over (at most --max-warmup steps)
-EXTRA_MODES = ("fp16", "hvd_topk auto")
+EXTRA_MODES = ("fp16", AUTO)
 HHA = "dense, HOROVOD_HIERARCHICAL_ALLREDUCE=1"
 SLOTS = 2
 # the targets (inter-host bytes and step time, as fractions of the mode named)
@@ -101,7 +102,7 @@ def worker(a):
     record = {mode: {"step_s": [], "tx": []} for mode in a.modes}
     steps = {mode: 0 for mode in a.modes}
     for mode, model, opt in arms:                       # warm-up: each mode alone, in turn
-        while steps[mode] < a.warmup or (mode == "hvd_topk auto" and _auto_busy(opt.auto_state())):
+        while steps[mode] < a.warmup or (mode == AUTO and auto_busy(opt.auto_state())):
             if steps[mode] >= a.max_warmup:
                 raise RuntimeError(f"{mode}: still probing or in its trial after {steps[mode]} steps (--max-warmup)")
             step(model, opt, steps[mode])

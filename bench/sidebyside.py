@@ -102,7 +102,7 @@ def worker(a):
     steps = {}
     for mode, model, opt in arms:                       # warm-up: each mode alone, in turn
         n = 0
-        while n < a.warmup or (mode == AUTO and _auto_busy(opt.auto_state())):
+        while n < a.warmup or (mode == AUTO and auto_busy(opt.auto_state())):
             if n >= a.max_warmup:
                 raise RuntimeError(f"{mode}: still probing or in its trial after {n} steps (--max-warmup)")
             step(model, opt, n)
@@ -128,7 +128,7 @@ def worker(a):
             json.dump(out, f)
 
 
-def _auto_busy(state):
+def auto_busy(state):
     """True while auto has not probed yet or its trial of plans is under way (identical on all ranks)."""
     return state["costs"] is None or "trial of" in state["history"][-1][3]
 
