@@ -39,8 +39,8 @@ from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT
 from bench.sidebyside import auto_busy
 
 MODES = ("dense", "hvd_topk split_reduce", "hvd_topk hierarchical", "topkef", "topkef hierarchical")
-# on request: Horovod's fp16 compression, and auto (flat: it has no hierarchical plan), warmed up until
-# its probe and trial are over (at most --max-warmup steps)
+# on request: Horovod's fp16 compression, and auto (which may choose hierarchical: the job registers the
+# host sets), warmed up until its probe and trial are over (at most --max-warmup steps)
 EXTRA_MODES = ("fp16", AUTO)
 HHA = "dense, HOROVOD_HIERARCHICAL_ALLREDUCE=1"
 SLOTS = 2
@@ -131,6 +131,7 @@ def worker(a):
             alone = sum(everyone[r][1][mode]["alone_tx"] for r in hosts_first) / a.bytes_steps
             out["modes"][mode] = {"step_s": record[mode]["step_s"], "inter_host_bytes": alone,
                                   "rounds_inter_host_bytes": per_step}
+        out["auto"] = {mode: opt.auto_state() for mode, _, opt in arms if mode == AUTO}     # its decisions
         with open(a.json_out, "w") as f:
             json.dump(out, f)
 
@@ -176,6 +177,8 @@ def report(rows_by_link, command, launcher="gloo"):
             L.append(f"| {mode} | {r['median_ms']:,.1f} | {r['q1_ms']:,.1f}-{r['q3_ms']:,.1f} | {r['bytes']:,.0f} | "
                      f"{r['rounds_bytes']:,.0f} |")
         L.append("")
+        L += [f"{AUTO}'s decisions: " + "; ".join(f"step {h[0]}: {h[3]}" for h in rows[AUTO]["auto_history"]), ""] \
+            if AUTO in rows and rows[AUTO].get("auto_history") else []
     L += ["## Targets", "", "| hvd_topk hierarchical | link | ratio | limit | |", "|---|---|---:|---:|---|"]
     for what, link, ratio, limit, met in targets(rows_by_link):
         L.append(f"| {what} | {link} | {ratio:.3f}x | {limit}x | **{'met' if met else 'not met'}** |")
@@ -220,6 +223,8 @@ def driver(a):
                 with open(os.path.join(a.out, f"{link}-{job}.json"), "w") as f:
                     json.dump(record, f)
                 summary = summarise(record)
+                if AUTO in summary:
+                    summary[AUTO]["auto_history"] = record.get("auto", {}).get(AUTO, {}).get("history")
                 if job == "hha":
                     summary = {HHA: summary["dense"], "hvd_topk hierarchical (HHA job)": summary["hvd_topk hierarchical"]}
                 rows.update(summary)

@@ -172,9 +172,15 @@ def _build(config, *, names, schedule, tuner, leader, reduction, value_dtype, pr
                                               budget=budget),
                   "dense": Dense(collectives, reduction, value_dtype, name="values"),
                   "plain": Dense(collectives, reduction, None, name="dense")}
-    if config.communication == "hierarchical":          # collective: finds the hosts' process sets
-        transports["hierarchical"] = hierarchical_or_flat(transports["split_reduce"], f"{tag}.hier", average,
-                                                          collectives.start_pending)
+    if config.communication in ("hierarchical", "auto"):    # collective: finds the hosts' process sets
+        auto = config.communication == "auto"
+        hierarchical = hierarchical_or_flat(transports["split_reduce"], f"{tag}.hier", average,
+                                            collectives.start_pending, optional=auto)
+        if not auto:
+            transports["hierarchical"] = hierarchical
+        elif hierarchical is not transports["split_reduce"]:   # across equal hosts: one more to choose from
+            transports["hierarchical"] = hierarchical
+            tuner.hosts = hierarchical.sets
     units = StepUnits(schedule=schedule, tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(),
                       leaders=leaders, index_sets=index_sets, collectives=collectives, transports=transports,
                       bucket=GlobalBucket(), stats=stats)

@@ -13,7 +13,8 @@ import torch.nn as nn
 import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk.auto import recheck, trial as trials
-from hvd_topk.auto.plans import TRANSPORTS, Costs, plan_seconds, plan_transports, tensor_seconds, trial_plans
+from hvd_topk.auto.plans import (TRANSPORTS, Costs, HostLink, costs_from_data, costs_to_data, plan_seconds,
+                                 plan_transports, tensor_seconds, trial_plans)
 from hvd_topk.auto.recheck import choose_ratio
 from hvd_topk.auto.tuner import AutoTuner
 from hvd_topk.sparsify import topk_energies
@@ -73,6 +74,33 @@ def test_trial_plans_are_the_models_plan_and_the_plausible_uniform_ones():
     assert trial_plans(numels, 0.01, 4, FAST, span=3.0) == [dense]
     # an expensive selection: everything sparse is modelled > 100x dearer, nothing to measure
     assert trial_plans(numels, 0.01, 4, CPU_BOUND) == [dense]
+
+
+# 2 hosts x 2 ranks: a fast link within each host, 100 Mbit/s shared by both positions between them
+ACROSS = SLOW._replace(hosts=HostLink(hosts=2, per_host=2, host_alpha=1e-5, host_beta=1e-10, cross_alpha=1e-4,
+                                      cross_beta=1.6e-7))
+
+
+def test_hierarchical_is_modelled_across_hosts_only_and_wins_where_the_link_between_is_slow():
+    assert "hierarchical" not in tensor_seconds(10**6, 0.01, 4, SLOW)
+    # n = 1e6 (M = 4e6 B), c = 0.01, L = H = 2, r = 1. Host reduce-scatter: α_h + M/2·β_h; across the
+    # hosts split_reduce of the 2 MB shard on 2 ranks: 4α_x + (Mc/2·2 + 520)β_x; host allgather of the
+    # kept rows: 2α_h + Mc/2·3·β_h; one shard's selection σn/2 and two passes 2πn.
+    want = (1e-5 + 2e6 * 1e-10) + (4e-4 + (4e4 + 520) * 1.6e-7) + (2e-5 + 2e4 * 3 * 1e-10) + 1e-3 / 2 + 2e-4
+    assert math.isclose(tensor_seconds(10**6, 0.01, 4, ACROSS)["hierarchical"], want)
+    assert plan_transports({"w": 10**7}, 0.01, 4, ACROSS) == {"w": "hierarchical"}
+    assert {"w": "hierarchical"} in trial_plans({"w": 10**7}, 0.01, 4, ACROSS)
+    # the link within the hosts as slow as the one between: the host's dense phase costs more than it saves
+    flat = ACROSS._replace(hosts=ACROSS.hosts._replace(host_alpha=1e-4, host_beta=1.6e-7))
+    assert plan_transports({"w": 10**7}, 0.01, 4, flat) == {"w": "split_reduce"}
+    assert {"w": "hierarchical"} not in trial_plans({"w": 10**7}, 0.01, 4, flat)
+
+
+def test_costs_with_both_links_survive_a_checkpoint_and_old_ones_load():
+    assert costs_from_data(costs_to_data(ACROSS)) == ACROSS
+    assert costs_from_data(costs_to_data(SLOW)) == SLOW and costs_from_data(None) is None
+    assert costs_from_data((1e-4, 8e-8, 1e-9, 1e-10)) == SLOW          # written before hosts existed
+    assert costs_to_data(ACROSS)[4] == (2, 2, 1e-5, 1e-10, 1e-4, 1.6e-7)
 
 
 class State:                                          # what the tuner reads of the optimizer

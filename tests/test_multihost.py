@@ -414,7 +414,7 @@ def hierarchical_2x2(hosts, tmp_path_factory):
     nan_step = 3
     results = _hierarchical_job(hosts, tmp_path_factory.mktemp("hier") / "2x2", hosts.host_list(SLOTS), NP,
                                 ["--steps", 6, "--nan-rank", 3, "--nan-step", nan_step, "--sets-first",
-                                 "--stock-op", "sum"])
+                                 "--stock-op", "sum", "--auto-steps", 20])
     return results, nan_step
 
 
@@ -424,11 +424,34 @@ def test_hierarchical_process_sets_error_dynamic_and_registered(hierarchical_2x2
     the training ran on sets registered by hvd.init(process_sets=hvd_topk.host_process_sets())."""
     results, _ = hierarchical_2x2
     for r, res in enumerate(results):
-        error, sums = res["checked"]
+        error, sums, auto_without_sets = res["checked"]
+        assert "hierarchical" not in auto_without_sets and "split_reduce" in auto_without_sets, auto_without_sets
         assert error is not None and "needs Horovod process sets [[0, 1], [2, 3], [0, 2], [1, 3]]" in error, error
         assert "HOROVOD_DYNAMIC_PROCESS_SETS=1" in error and "hvd_topk.host_process_sets()" in error, error
         host, cross = ((0, 1), (2, 3))[r // SLOTS], (r % SLOTS, r % SLOTS + SLOTS)
         assert sums == [float(sum(host)), float(sum(cross))], (r, sums)
+
+
+def test_auto_across_hosts_probes_both_links_and_tries_hierarchical(hierarchical_2x2):
+    """The same job, communication='auto' on the registered host sets: after step 0 every rank holds the
+    same probe of the link within the hosts and the link between them (2 hosts of 2), the model's plan
+    chose among the flat transports and hierarchical, and a trial of all split_reduce against all
+    hierarchical ran both in turns to its verdict; parameters identical on every rank."""
+    results, _ = hierarchical_2x2
+    autos = [res["auto"] for res in results]
+    link = autos[0]["costs"].hosts
+    assert (link.hosts, link.per_host) == (2, 2), link
+    assert all(math.isfinite(v) and v >= 0 for v in link[2:]), link
+    assert all(a["costs"] == autos[0]["costs"] and a["history"] == autos[0]["history"] for a in autos)
+    step, _, counts, reason = autos[0]["probed"][0]
+    assert step == 0 and reason.startswith("start") and set(counts) == \
+        {"dense", "artopk", "split_reduce", "allgather", "hierarchical"}, autos[0]["probed"]
+    assert set(autos[0]["model_plan"].values()) <= set(counts)
+    final = autos[0]["history"][-1][3]
+    assert "all split_reduce" in final and "all hierarchical" in final and "; kept all " in final, final
+    assert ["hierarchical"] in autos[0]["modes"] and ["split_reduce"] in autos[0]["modes"], autos[0]["modes"]
+    assert {"host_beta", "cross_beta", "auto_hierarchical"} <= set(autos[0]["figures"]), autos[0]["figures"]
+    assert_identical_across_ranks([{"params": a["params"]} for a in autos])
 
 
 def test_hierarchical_ratio_one_is_dense_horovod(hierarchical_2x2):

@@ -11,27 +11,51 @@ docs/auto.md). For every compressed tensor (n elements, density c, N ranks) the 
 
 with the communication terms of ``hvd_topk.auto.costmodel``, σ the seconds per element of one exact top-k
 selection and π the seconds per element of one pass over the accumulator (the leader role rotates, so
-each rank selects 1/N of the tensors). The cheapest wins; ties go to dense, then artopk, then
+each rank selects 1/N of the tensors).
+
+A job across H hosts of L ranks each (``HostLink``, probed over the host sets and the cross sets of
+``hvd_topk.transports.host_sets``) also has ``hierarchical``, with the host link's α_h, β_h and the
+cross link's α_x, β_x (r = index bytes / value bytes)::
+
+    hierarchical  (L−1)α_h + (L−1)/L·Mβ_h                         the host's dense ring reduce-scatter
+                  + split_reduce(M/L, c) over H ranks, α_x, β_x   the shard's top-k across the hosts
+                  + 2α_h·log L + (L−1)·Mc/L·(1+2r)·β_h            the host's allgather of the kept rows
+                  + σ·n/L + 2π·n                                  one shard's selection, pad and rewrite The cheapest wins; ties go to dense, then artopk, then
 split_reduce (the order of ``TRANSPORTS``). Horovod's Gloo and MPI collectives do not expose ring vs.
 tree, so only the ring formulas are used. The model ignores the overlap with the backward pass and the
 ranks' competition for CPU, so ``trial_plans`` lists the plans worth checking by measurement
 (``hvd_topk.auto.trial``).
 """
-from typing import NamedTuple
+import math
+from typing import NamedTuple, Optional
 
 from . import costmodel
 from ..wire import INDEX_BYTES
 
-__all__ = ["TRANSPORTS", "TRIAL_SPAN", "Costs", "tensor_seconds", "plan_transports", "plan_seconds",
-           "trial_plans", "uniform_plan", "plan_name", "plan_counts", "fitted_link"]
+__all__ = ["TRANSPORTS", "HIERARCHICAL", "TRIAL_SPAN", "HostLink", "Costs", "transports_of", "tensor_seconds",
+           "hierarchical_seconds", "plan_transports", "plan_seconds", "trial_plans", "uniform_plan", "plan_name",
+           "plan_counts", "fitted_link", "link_figures", "costs_to_data", "costs_from_data"]
 
 # The transports a plan chooses from, also the tie-break order: dense first (exact, no compression
 # error), then AR-Topk (one selection per tensor), then split_reduce (bytes per rank flat in N), then
 # allgather (the order of costmodel.COLLECTIVES).
 TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather")
+# The transport of jobs across equal hosts (``Costs.hosts``); last in the tie-break order: it needs
+# both links to be measured right, and a flat transport is one collective fewer per phase.
+HIERARCHICAL = "hierarchical"
 # Every uniform plan modelled within this factor of the model's plan is measured: the model's misses
 # seen on busy hosts (CPU competition, fusion) stayed within it.
 TRIAL_SPAN = 4.0
+
+
+class HostLink(NamedTuple):
+    """The two links of a job across equal hosts (``hvd_topk.auto.probe.probe_hosts``)."""
+    hosts: int              # H
+    per_host: int           # L
+    host_alpha: float       # s, within a host (probed over the host sets)
+    host_beta: float        # s/byte per rank, within a host
+    cross_alpha: float      # s, between hosts (probed over the cross sets, all at once)
+    cross_beta: float       # s/byte per rank, between hosts
 
 
 class Costs(NamedTuple):
@@ -40,6 +64,31 @@ class Costs(NamedTuple):
     beta: float             # s/byte per rank (probe)
     select_s: float         # s per element of one exact top-k selection
     pass_s: float           # s per element of one pass over the accumulator
+    hosts: Optional[HostLink] = None       # a job across equal hosts: hierarchical is modelled too
+
+
+def transports_of(costs):
+    """The transports a plan chooses from under ``costs``: hierarchical too where both links are known."""
+    return TRANSPORTS + ((HIERARCHICAL,) if costs.hosts is not None else ())
+
+
+def link_figures(costs):
+    """``costs.hosts``'s two links by name (``opt.stats()``), {} for a job on one link."""
+    return {} if costs.hosts is None else \
+        {key: getattr(costs.hosts, key) for key in ("host_alpha", "host_beta", "cross_alpha", "cross_beta")}
+
+
+def costs_to_data(costs):
+    """``Costs`` (or None) as plain tuples, for a checkpoint."""
+    return None if costs is None else tuple(costs[:4]) + (None if costs.hosts is None else tuple(costs.hosts),)
+
+
+def costs_from_data(data):
+    """The ``Costs`` of ``costs_to_data``'s tuples (an older checkpoint's four numbers too)."""
+    if data is None:
+        return None
+    hosts = data[4] if len(data) > 4 else None
+    return Costs(*data[:4], hosts=None if hosts is None else HostLink(*hosts))
 
 
 def tensor_seconds(numel, density, n_workers, costs, value_bytes=4):
@@ -48,21 +97,36 @@ def tensor_seconds(numel, density, n_workers, costs, value_bytes=4):
     t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta,
                           index_bytes=INDEX_BYTES, value_bytes=value_bytes)
     select, sweep = costs.select_s * numel, costs.pass_s * numel
-    return {"dense": t["dense_ring"],
-            "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep,
-            "split_reduce": t["split_reduce"] + select + sweep,
-            "allgather": t["allgather"] + select + sweep}
+    seconds = {"dense": t["dense_ring"],
+               "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep,
+               "split_reduce": t["split_reduce"] + select + sweep,
+               "allgather": t["allgather"] + select + sweep}
+    if costs.hosts is not None:
+        seconds[HIERARCHICAL] = hierarchical_seconds(numel, density, costs, value_bytes)
+    return seconds
 
 
-def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=TRANSPORTS):
-    """Cheapest transport per tensor: dict name -> transport (ties: order of ``TRANSPORTS``).
+def hierarchical_seconds(numel, density, costs, value_bytes=4):
+    """Modelled seconds of hierarchical for one tensor (module docstring); ``costs.hosts`` is set."""
+    link = costs.hosts
+    per_host, m, r = link.per_host, numel * value_bytes, INDEX_BYTES / value_bytes
+    scatter = (per_host - 1) * (link.host_alpha + m / per_host * link.host_beta)
+    cross = costmodel.predict(link.hosts, m / per_host, density, link.cross_alpha, link.cross_beta,
+                              index_bytes=INDEX_BYTES, value_bytes=value_bytes)["split_reduce"]
+    gather = 2 * link.host_alpha * math.log2(per_host) + \
+        (per_host - 1) * m * density / per_host * (1 + 2 * r) * link.host_beta
+    return scatter + cross + gather + costs.select_s * numel / per_host + 2 * costs.pass_s * numel
+
+
+def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=None):
+    """Cheapest transport per tensor: dict name -> transport (ties: order of ``transports_of(costs)``).
 
     Args:
         numels: dict name -> number of elements of each compressed tensor (or bucket).
         density: fraction of elements the sparse transports send, in (0, 1].
         n_workers: ranks.
         costs: ``Costs``.
-        modes: the transports to choose from.
+        modes: the transports to choose from (default: ``transports_of(costs)``).
 
     Example:
         >>> fast = Costs(alpha=1e-5, beta=1e-10, select_s=1e-9, pass_s=1e-10)
@@ -71,10 +135,12 @@ def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=TRAN
         >>> plan_transports({"w": 10**6}, 0.001, 4, fast._replace(select_s=0.0, pass_s=0.0))
         {'w': 'allgather'}
     """
+    order = transports_of(costs)
+    modes = order if modes is None else modes
     plan = {}
     for name, n in numels.items():
         t = tensor_seconds(n, density, n_workers, costs, value_bytes)
-        plan[name] = min(modes, key=lambda m: (t[m], TRANSPORTS.index(m)))
+        plan[name] = min(modes, key=lambda m: (t[m], order.index(m)))
     return plan
 
 
@@ -95,7 +161,7 @@ def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=TRIAL_SPA
     plan = plan_transports(numels, density, n_workers, costs, value_bytes)
     best = plan_seconds(numels, plan, density, n_workers, costs, value_bytes)
     arms = [plan]
-    for mode in TRANSPORTS:
+    for mode in transports_of(costs):
         uniform = uniform_plan(numels, mode)
         if uniform not in arms and plan_seconds(numels, uniform, density, n_workers, costs, value_bytes) \
                 <= span * best:
@@ -103,16 +169,16 @@ def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=TRIAL_SPA
     return arms
 
 
-def plan_counts(plan):
-    """dict transport -> number of tensors of ``plan`` sent with it (every transport, in order)."""
-    return {m: sum(1 for v in plan.values() if v == m) for m in TRANSPORTS}
+def plan_counts(plan, modes=TRANSPORTS):
+    """dict transport -> number of tensors of ``plan`` sent with it (every one of ``modes``, in order)."""
+    return {m: sum(1 for v in plan.values() if v == m) for m in modes}
 
 
 def plan_name(plan):
     """Short name of a plan for the history: "all artopk", "mixed 2 dense/3 allgather"."""
     modes = set(plan.values())
-    return f"all {modes.pop()}" if len(modes) == 1 else \
-        "mixed " + "/".join(f"{sum(1 for v in plan.values() if v == m)} {m}" for m in TRANSPORTS if m in modes)
+    return f"all {modes.pop()}" if len(modes) == 1 else "mixed " + "/".join(
+        f"{sum(1 for v in plan.values() if v == m)} {m}" for m in TRANSPORTS + (HIERARCHICAL,) if m in modes)
 
 
 def fitted_link(alpha, beta, last):

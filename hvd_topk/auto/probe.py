@@ -39,10 +39,11 @@ import numpy as np
 import torch
 
 from ..transports.collectives import agree
+from .plans import HostLink
 from ..validate import check_choice, check_int, check_number
 
 __all__ = ["DEFAULT_SIZES", "DEFAULT_REPEATS", "DEFAULT_MAX_BYTES", "ProbeResult", "Probe",
-           "fit_line", "to_alpha_beta"]
+           "fit_line", "to_alpha_beta", "probe_hosts"]
 
 # 4 B .. 4 MiB in steps of x16: six sizes, 0.1-0.4 s in all on an unlimited loopback here (2 busy
 # cores), the x4 extension to 16 MiB included when it happens.
@@ -150,6 +151,9 @@ class Probe:
             larger are added, up to this many bytes (default 16 MiB), until it does.
         collective: ``"allreduce"`` (ring model) or ``"broadcast"`` (tree model, root 0).
         name: prefix of the Horovod collective names (identical on every rank).
+        process_set: the ranks of one probe, the global set by default. Another set probes that set's
+            link (``probe_hosts``): every rank runs the same schedule over its own set at once, the
+            ranks agree over all sets, so the numbers are the sets' average. allreduce only.
 
     Example (every rank gets the same res.alpha and res.beta):
         >>> probe = Probe(repeats=3)
@@ -157,7 +161,7 @@ class Probe:
     """
 
     def __init__(self, sizes=DEFAULT_SIZES, repeats=DEFAULT_REPEATS, max_bytes=DEFAULT_MAX_BYTES,
-                 collective="allreduce", name="hvd_topk.probe"):
+                 collective="allreduce", name="hvd_topk.probe", process_set=None):
         sizes = tuple(sizes)
         if len(set(sizes)) < 2 or not all(_is_msg_bytes(s) for s in sizes):
             raise ValueError(f"sizes must hold at least two distinct ints >= 4 that are multiples of 4, "
@@ -166,12 +170,15 @@ class Probe:
         if not _is_msg_bytes(max_bytes):
             raise ValueError(f"max_bytes must be an int >= 4 that is a multiple of 4, got {max_bytes!r}")
         check_choice("collective", collective, _PROBED)
+        if process_set is not None and process_set is not hvd.global_process_set and collective != "allreduce":
+            raise ValueError(f"a probe over a process set uses collective='allreduce', got {collective!r}")
         # Schedule (identical on every rank)
         self.sizes = tuple(sorted(set(sizes)))
         self.repeats = repeats
         self.max_bytes = max_bytes
         self.collective = collective
         self.name = name
+        self.process_set = hvd.global_process_set if process_set is None else process_set
         # Outcome of the last run, None before the first
         self.result = None
 
@@ -181,7 +188,7 @@ class Probe:
         At world size 1 nothing is sent and alpha = beta = 0 (the cost model predicts 0 there too).
         """
         start = time.perf_counter()
-        n = hvd.size()
+        n = self.process_set.size()
         if n == 1:
             self.result = ProbeResult(0.0, 0.0, 0.0, 0.0, self.collective, 1, self.sizes,
                                       tuple(0.0 for _ in self.sizes), 0.0)
@@ -210,7 +217,7 @@ class Probe:
         for i in range(_WARMUP_CALLS + self.repeats):
             t0 = time.perf_counter()
             if self.collective == "allreduce":      # one name per size: Horovod's cache serves repeats
-                hvd.allreduce_(buf, op=hvd.Sum, name=f"{self.name}.allreduce.{size}")
+                hvd.allreduce_(buf, op=hvd.Sum, name=f"{self.name}.allreduce.{size}", process_set=self.process_set)
             else:
                 hvd.broadcast_(buf, root_rank=0, name=f"{self.name}.broadcast.{size}")
             if i >= _WARMUP_CALLS:
@@ -220,6 +227,15 @@ class Probe:
     def _agree(self, values, key, average=True):
         """``values`` averaged over the ranks (or rank 0's): identical bits everywhere."""
         return agree(values, f"{self.name}.{key}", average)
+
+
+def probe_hosts(sets, repeats=DEFAULT_REPEATS):
+    """The ``HostLink`` of a job across equal hosts (``hvd_topk.transports.host_sets.HostSets``): α and β
+    over every host's set at once, then over every cross set at once, as hierarchical's phases run
+    (so the cross β is per rank while every position of a host shares the host's link). Collective."""
+    host = Probe(repeats=repeats, name="hvd_topk.probe.host", process_set=sets.host).run()
+    cross = Probe(repeats=repeats, name="hvd_topk.probe.cross", process_set=sets.cross).run()
+    return HostLink(sets.hosts, sets.per_host, host.alpha, host.beta, cross.alpha, cross.beta)
 
 
 def _is_msg_bytes(value):

@@ -14,7 +14,10 @@ so every rank takes the same decision at the same step even when their clocks di
 **Transport per tensor (communication='auto').** After the first step the ranks probe α and β
 (``hvd_topk.auto.probe``) and time the compression work of this machine (σ, π of ``hvd_topk.auto.plans``); the
 model's plan, and every uniform plan modelled within 4x of it, are then measured in turns
-(``hvd_topk.auto.trial``) and the fastest is kept (dense on a tie within the margin).
+(``hvd_topk.auto.trial``) and the fastest is kept (dense on a tie within the margin). In a job across
+equal hosts whose process sets Horovod has (``hvd_topk.transports.host_sets``), the probe also measures
+the link within the hosts and the link between them, and hierarchical is one more transport to model
+and to try (``hvd_topk.auto.plans``).
 
 **Re-deciding.** Every ``every`` steps the ranks agree on the window's step and communication times
 and the compression gains; a drift of the communication time from the model at two checks in a row
@@ -29,9 +32,9 @@ from horovod.torch import mpi_ops
 
 from . import recheck, trial as trials
 from .measure import HorovodWorld, time_compression
-from .plans import (Costs, fitted_link, plan_counts, plan_seconds, plan_transports, trial_plans,
-                    uniform_plan)
-from .probe import Probe
+from .plans import (Costs, costs_from_data, costs_to_data, fitted_link, link_figures, plan_counts, plan_seconds,
+                    plan_transports, transports_of, trial_plans, uniform_plan)
+from .probe import Probe, probe_hosts
 from .recheck import DEFAULT_WEIGHT, candidate_ratios, choose_ratio
 from .trial import TRIAL_MARGIN
 from ..sparsify import k_for, topk_energies
@@ -60,7 +63,8 @@ class _CollectiveSteps:
             reason += ", re-probe without a bandwidth term: last alpha/beta kept"
         select_s, pass_s = self.world.agree(time_compression(state.sparse_numels, state.ratio, state.clock),
                                             "hvd_topk.auto.costs")
-        self.costs = Costs(alpha, beta, select_s, pass_s)
+        link = None if self.hosts is None else probe_hosts(self.hosts, _PROBE_REPEATS)
+        self.costs = Costs(alpha, beta, select_s, pass_s, link)
         self.calibration = None
         self.last_probe_check = step
         if not self.auto_transport:
@@ -124,7 +128,7 @@ class _CollectiveSteps:
         return at, new
 
     def _record(self, step, ratio, reason):
-        counts = plan_counts(self.plan) if self.auto_transport else {}
+        counts = plan_counts(self.plan, transports_of(self.costs)) if self.auto_transport else {}
         self.history.append((step, ratio, counts, reason))
         if self.world.rank() == 0:
             log.info("hvd_topk auto at step %d: ratio %g, transports %s (%s); alpha %.3g s, beta %.3g s/B",
@@ -143,8 +147,7 @@ class AutoTuner(_CollectiveSteps):
         trial_rounds: the fewest rounds of the trial (the first is not counted), >= 3.
         trial_max_rounds: the most rounds of the trial, >= trial_rounds.
         trial_margin: the difference in step time the trial resolves: a plan within it of the fastest is
-            as good (the all-dense plan within it is kept: exact); a lead over dense smaller than this is
-            within the noise of a busy host.
+            as good (the all-dense plan within it is kept: exact; a smaller lead is a busy host's noise).
         threshold: relative drift of communication time that triggers a new probe.
         probe: a ``hvd_topk.auto.probe.Probe`` (default ``Probe(repeats=3)``).
     """
@@ -154,10 +157,9 @@ class AutoTuner(_CollectiveSteps):
 
     def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=4, trial_rounds=5,
                  threshold=0.5, probe=None, trial_margin=TRIAL_MARGIN, trial_max_rounds=21):
-        check_int("trial_steps", trial_steps, low=2)
-        check_int("trial_rounds", trial_rounds, low=3)
-        check_int("trial_max_rounds", trial_max_rounds, low=trial_rounds)
-        check_int("every", every, low=2)
+        for name, value, low in (("trial_steps", trial_steps, 2), ("trial_rounds", trial_rounds, 3),
+                                 ("trial_max_rounds", trial_max_rounds, trial_rounds), ("every", every, 2)):
+            check_int(name, value, low=low)
         check_number("weight", weight, low=0)
         check_number("threshold", threshold, low=0, low_open=True)
         check_number("trial_margin", trial_margin, low=0)
@@ -167,6 +169,7 @@ class AutoTuner(_CollectiveSteps):
         self.trial_margin, self.trial_max_rounds = trial_margin, trial_max_rounds
         self.probe = probe or Probe(repeats=_PROBE_REPEATS)
         self.world = HorovodWorld()
+        self.hosts = None                 # HostSets of a job across equal hosts: hierarchical is a candidate
         # agreed measurements
         self.costs = None                 # Costs, after the first probe
         self.calibration = None           # measured / modelled communication at the first check after a probe
@@ -192,8 +195,9 @@ class AutoTuner(_CollectiveSteps):
         """``opt.stats()``'s share: the probed costs; with communication='auto', tensors per transport."""
         if self.costs is None:
             return {}
-        counts = plan_counts(self.plan) if self.auto_transport else {}
-        return dict(alpha=self.costs.alpha, beta=self.costs.beta, **{f"auto_{m}": c for m, c in counts.items()})
+        counts = plan_counts(self.plan, transports_of(self.costs)) if self.auto_transport else {}
+        return dict(alpha=self.costs.alpha, beta=self.costs.beta, **link_figures(self.costs),
+                    **{f"auto_{m}": c for m, c in counts.items()})
 
     def wants_gains(self, step):
         """Whether this step's accumulators feed the gain estimate (the step before a check)."""
@@ -234,7 +238,7 @@ class AutoTuner(_CollectiveSteps):
 
     def state_dict(self):
         """Everything agreed and measured so far, a trial under way included, as plain data."""
-        state = {"plan": dict(self.plan), "costs": None if self.costs is None else tuple(self.costs),
+        state = {"plan": dict(self.plan), "costs": costs_to_data(self.costs),
                  "history": list(self.history), "trial": trials.to_dict(self.trial)}
         for key in self._CHECKPOINTED:
             value = getattr(self, key)
@@ -244,7 +248,7 @@ class AutoTuner(_CollectiveSteps):
     def load_state_dict(self, state):
         """Continue from ``state_dict()``; an older checkpoint (plan, costs, history) restores those."""
         self.plan = dict(state["plan"])
-        self.costs = None if state["costs"] is None else Costs(*state["costs"])
+        self.costs = costs_from_data(state["costs"])
         self.history = list(state["history"])
         if "trial" in state:
             self.trial = trials.from_dict(state["trial"])

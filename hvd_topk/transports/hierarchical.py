@@ -156,11 +156,12 @@ class Hierarchical:
         return Outcome(aggregate, sent, nominated[nominated != n].to(acc.device))
 
 
-def hierarchical_or_flat(flat, name, average, before_finish=None):
+def hierarchical_or_flat(flat, name, average, before_finish=None, optional=False):
     """``Hierarchical`` over a ``SplitReduce`` like ``flat`` (its wire dtype, budget, stats and index
     regions, which checkpoints save) across the hosts, or ``flat`` itself where the job's hosts call
-    for the flat fallback (``host_sets.resolve``). Collective: every rank builds it in the same order."""
-    sets = resolve(f"{name}.hosts")
+    for the flat fallback (``host_sets.resolve``; ``optional``: also where Horovod cannot have the
+    sets, silently). Collective: every rank builds it in the same order."""
+    sets = resolve(f"{name}.hosts", optional)
     if sets is None:
         return flat
     inner = SplitReduce(Collectives(f"{name}.group", process_set=sets.cross), False, flat.regions,

@@ -112,10 +112,13 @@ def _env_int(*names):
     return None
 
 
-def resolve(name="hvd_topk.hosts") -> Optional[HostSets]:
+def resolve(name="hvd_topk.hosts", optional=False) -> Optional[HostSets]:
     """This rank's ``HostSets``, or None where hierarchical falls back to the flat transport (with a
     warning saying why). Collective on the first call of a job (every rank must call it); the same
-    answer afterwards. ValueError, on every rank, when Horovod knows the sets and cannot add them."""
+    answer afterwards. ValueError, on every rank, when Horovod knows the sets and cannot add them.
+
+    ``optional``: for ``communication='auto'``, to which hierarchical is one candidate: None, silently,
+    wherever hierarchical would fall back or raise (the same on every rank)."""
     cached = _RESOLVED.get("sets", False)
     if cached is not False and (cached is None or cached.host.process_set_id is not None):
         return cached
@@ -123,11 +126,17 @@ def resolve(name="hvd_topk.hosts") -> Optional[HostSets]:
     table = mpi_ops.allgather(row, name=f"{name}.layout").tolist() if mpi_ops.size() > 1 else row.tolist()
     planned = plan_sets(table)
     if isinstance(planned, str):
-        warnings.warn(f"hvd_topk: communication='hierarchical' runs the flat transport: {planned}")
+        if not optional:
+            warnings.warn(f"hvd_topk: communication='hierarchical' runs the flat transport: {planned}")
         _RESOLVED["sets"] = None
         return None
     host_lists, cross_lists = planned
-    sets = [_registered(ranks, host_lists + cross_lists) for ranks in host_lists + cross_lists]
+    try:
+        sets = [_registered(ranks, host_lists + cross_lists) for ranks in host_lists + cross_lists]
+    except ValueError:
+        if optional:             # every rank fails at the same set: Horovod refuses all or none
+            return None
+        raise
     rank = mpi_ops.rank()
     host = next(i for i, ranks in enumerate(host_lists) if rank in ranks)
     position = host_lists[host].index(rank)

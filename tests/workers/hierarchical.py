@@ -31,6 +31,9 @@ p.add_argument("--sets-first", action="store_true",
                help="before training: hierarchical without registered sets (the error), then with dynamic "
                     "ones (a collective over each), each in its own hvd.init; training then registers "
                     "hvd_topk.host_process_sets() at hvd.init")
+p.add_argument("--auto-steps", type=int, default=0,
+               help="then this many steps of communication='auto': the probe of both links, the model's plan, "
+                    "then a short trial of flat split_reduce against hierarchical")
 args = p.parse_args()
 
 
@@ -42,6 +45,9 @@ def check_sets():
         error = None
     except ValueError as e:
         error = str(e)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1),
+                                        communication="auto")    # no sets: auto leaves hierarchical out
+    auto_without_sets = sorted(opt._hvd_topk.transports)
     hvd.shutdown()
     hvd.init(process_sets="dynamic")
     sets = host_sets.resolve()
@@ -51,7 +57,7 @@ def check_sets():
     hvd.shutdown()
     os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS")
     host_sets._RESOLVED.clear()          # a new hvd.init: the sets resolved before are gone
-    return error, sums
+    return error, sums, auto_without_sets
 
 
 warnings.simplefilter("always")
@@ -124,8 +130,37 @@ with warnings.catch_warnings(record=True) as seen:
 
     ratio_one_params = {door: ratio_one(door) for door in ("ratio1", "dense")}
 
+    def auto_door(steps):
+        """hvd_topk.DistributedOptimizer(communication='auto'): its probe and plan after step 0, then a
+        trial of all split_reduce against all hierarchical (2 steps a turn, 3 counted rounds)."""
+        torch.manual_seed(1234 + hvd.rank())
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+        named = [(f"auto.{n}", q) for n, q in model.named_parameters()]
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                            named_parameters=named, communication="auto",
+                                            compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=64))
+        tuner = opt._hvd_topk.tuner
+        tuner.trial_steps, tuner.trial_rounds, tuner.trial_max_rounds = 2, 3, 3
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        out = {"modes": []}
+        for step in range(steps):
+            if step == 1:
+                out["probed"], out["model_plan"] = list(tuner.history), dict(tuner.plan)
+                tuner.start_trial([{n: mode for n in tuner.plan} for mode in ("split_reduce", "hierarchical")])
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100_000 * hvd.rank() + step))
+            opt.zero_grad()
+            ((model(x) - x @ w_true) ** 2).mean().backward()
+            opt.step()
+            out["modes"].append(sorted(set(tuner.plan.values())))
+        out.update(history=list(tuner.history), costs=tuner.costs, figures=opt.stats(),
+                   params={n: q.detach().clone() for n, q in model.named_parameters()})
+        return out
+
+    auto = auto_door(args.auto_steps) if args.auto_steps else None
+
 result = {"params": {door: {n: q.detach().clone() for n, q in m.named_parameters()} for door, (m, *_) in doors.items()},
-          "record": record, "elapsed_s": elapsed, "checked": checked, "ratio_one": ratio_one_params, "warnings": [str(w.message) for w in seen],
+          "record": record, "elapsed_s": elapsed, "checked": checked, "ratio_one": ratio_one_params, "auto": auto,
+          "warnings": [str(w.message) for w in seen],
           "transports": {door: type(t).__name__ for door, (*_, t) in doors.items()},
           "sets": {door: None if not hasattr(t, "sets") else (t.sets.host.ranks, t.sets.cross.ranks, t.sets.position)
                    for door, (*_, t) in doors.items()},
