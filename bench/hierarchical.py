@@ -2,11 +2,13 @@
 
 2 hosts x 2 ranks (``bench/infra/hosts.py``: network namespaces joined by a bridge, each host's eth0
 limited by tbf to the link's rate), horovodrun with Gloo, ``HOROVOD_CYCLE_TIME=20``. Every mode trains
-its own copy of the wide digits CNN (6.33M parameters, same seed) in one job; after a warm-up of each
+its own copy of the wide digits CNN (6.33M parameters, same seed; ``--example lm``: the byte-level GPT
+of examples/char_lm.py, as bench/ddp_hooks.py trains both for DDP's rows) in one job; after a warm-up of each
 mode alone, the modes take turns of one step, the order rotating every round, so a slow spell of the
 machine falls on all of them alike (as ``bench.sidebyside``).
 
 Step time: rank 0's wall time from ``zero_grad()`` to the end of ``step()``, median over the rounds.
+Test accuracy (digits) or loss (LM): rank 0's, after the last step of each mode.
 Inter-host bytes: after the rounds every mode runs ``--bytes-steps`` steps alone, between two
 barriers; each host's first rank reads its host's eth0 tx counter at both barriers, and the two
 hosts' deltas summed, over the steps, are every byte that crossed between the hosts per step
@@ -39,9 +41,10 @@ from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT
 from bench.sidebyside import auto_busy
 
 MODES = ("dense", "hvd_topk split_reduce", "hvd_topk hierarchical", "topkef", "topkef hierarchical")
-# on request: Horovod's fp16 compression, and auto (which may choose hierarchical: the job registers the
-# host sets), warmed up until its probe and trial are over (at most --max-warmup steps)
-EXTRA_MODES = ("fp16", AUTO)
+# on request: Horovod's fp16 compression; auto (which may choose hierarchical: the job registers the
+# host sets), warmed up until its probe and trial are over (at most --max-warmup steps); and hvd_topk's
+# dense transport (auto's dense plan) beside Horovod's own dense
+EXTRA_MODES = ("fp16", AUTO, "hvd_topk dense")
 HHA = "dense, HOROVOD_HIERARCHICAL_ALLREDUCE=1"
 SLOTS = 2
 # the targets (inter-host bytes and step time, as fractions of the mode named)
@@ -57,23 +60,20 @@ def _eth0_tx():
 def worker(a):
     import horovod.torch as hvd
     import torch
-    import torch.nn.functional as F
 
     import hvd_topk
+    from bench.ddp_hooks import digits_task, lm_task
     from hvd_topk import TopKEF
-
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from data import load_dataset
-    from digits_cnn import build_model
 
     hvd.init(process_sets=hvd_topk.host_process_sets())
     torch.set_num_threads(1)
-    x, y, _, _ = load_dataset("digits")
+    task = digits_task(hvd.rank(), hvd.size(), a.batch_size) if a.example == "digits" else \
+        lm_task(hvd.rank(), hvd.size(), a.batch_size, a.max_warmup + a.rounds + a.bytes_steps)
     arms = []
     for i, mode in enumerate(a.modes):
         torch.manual_seed(0)
-        model = build_model("wide", x.shape[1])
-        base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model = task.build()
+        base = task.make_opt(model)
         named = [(f"m{i}.{n}", p) for n, p in model.named_parameters()]    # Horovod's names, per mode
         if mode.startswith("hvd_topk "):
             opt = hvd_topk.DistributedOptimizer(base, named_parameters=named, compression=TopKEF(ratio=a.ratio),
@@ -87,16 +87,21 @@ def worker(a):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         arms.append((mode, model, opt))
     first_on_host = hvd.local_rank() == 0
-    per_rank = len(y) // hvd.size()
-    batches = per_rank // a.batch_size
 
     def step(model, opt, t):
-        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(t // batches))
-        mine = perm[hvd.rank()::hvd.size()][(t % batches) * a.batch_size:][:a.batch_size]
+        x, target = task.batch(t)
+        for group in opt.param_groups if task.lr_at else ():
+            group["lr"] = task.lr_at(t)
         t0, tx0 = time.perf_counter(), _eth0_tx() if first_on_host else 0
         opt.zero_grad()
-        F.cross_entropy(model(x[mine]), y[mine]).backward()
-        opt.step()
+        task.loss(model(x), target).backward()
+        if task.clip:                          # the averaged gradient, as Horovod's docs clip it
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
         return time.perf_counter() - t0, (_eth0_tx() - tx0) if first_on_host else 0
 
     record = {mode: {"step_s": [], "tx": []} for mode in a.modes}
@@ -122,15 +127,19 @@ def worker(a):
             steps[mode] += 1
         hvd.allreduce(torch.zeros(1), name=f"bench.{mode}.after")
         record[mode]["alone_tx"] = (_eth0_tx() - tx0) if first_on_host else 0
+    for mode, model, _ in arms:                         # parameters are identical on every rank: rank 0's
+        record[mode].update(task.metrics(model) if hvd.rank() == 0 else {}, steps=steps[mode])
     everyone = hvd.allgather_object((hvd.local_rank(), record), name="bench.records")
     if hvd.rank() == 0:
         hosts_first = [r for r, (local_rank, _) in enumerate(everyone) if local_rank == 0]
-        out = {"ranks": hvd.size(), "ratio": a.ratio, "rounds": a.rounds, "bytes_steps": a.bytes_steps, "modes": {}}
+        out = {"ranks": hvd.size(), "ratio": a.ratio, "rounds": a.rounds, "bytes_steps": a.bytes_steps,
+               "example": task.name, "model": task.model, "modes": {}}
         for mode in a.modes:
             per_step = [sum(everyone[r][1][mode]["tx"][t] for r in hosts_first) for t in range(a.rounds)]
             alone = sum(everyone[r][1][mode]["alone_tx"] for r in hosts_first) / a.bytes_steps
             out["modes"][mode] = {"step_s": record[mode]["step_s"], "inter_host_bytes": alone,
-                                  "rounds_inter_host_bytes": per_step}
+                                  "rounds_inter_host_bytes": per_step, "steps": record[mode]["steps"],
+                                  "test_loss": record[mode]["test_loss"], "test_accuracy": record[mode]["test_accuracy"]}
         out["auto"] = {mode: opt.auto_state() for mode, _, opt in arms if mode == AUTO}     # its decisions
         with open(a.json_out, "w") as f:
             json.dump(out, f)
@@ -141,7 +150,8 @@ def summarise(record):
     for mode, m in record["modes"].items():
         q = statistics.quantiles(m["step_s"], n=4)
         rows[mode] = {"median_ms": 1e3 * statistics.median(m["step_s"]), "q1_ms": 1e3 * q[0], "q3_ms": 1e3 * q[2],
-                      "bytes": m["inter_host_bytes"], "rounds_bytes": statistics.fmean(m["rounds_inter_host_bytes"])}
+                      "bytes": m["inter_host_bytes"], "rounds_bytes": statistics.fmean(m["rounds_inter_host_bytes"]),
+                      "steps": m.get("steps"), "test_loss": m.get("test_loss"), "test_accuracy": m.get("test_accuracy")}
     return rows
 
 
@@ -162,20 +172,32 @@ LAUNCHERS = {"gloo": "horovodrun, Gloo",
              "mpi": "mpirun, Open MPI: shared memory (vader) inside a host, TCP on eth0 between the hosts"}
 
 
-def report(rows_by_link, command, launcher="gloo"):
+EXAMPLES = {"digits": "Wide digits CNN (6.33M parameters, SGD)",
+            "lm": "Byte-level GPT 4x128 of examples/char_lm.py (0.84M parameters, AdamW, clipped to norm 1)"}
+
+
+def _metric(r):
+    """The test figure of a row: accuracy (digits) or loss (LM), after the row's steps."""
+    if r.get("test_accuracy") is not None:
+        return f"{r['test_accuracy']:.4f}"
+    return "-" if r.get("test_loss") is None else f"loss {r['test_loss']:.3f}"
+
+
+def report(rows_by_link, command, launcher="gloo", example="digits"):
     L = ["# communication='hierarchical' across 2 emulated hosts x 2 ranks, side by side", "",
-         f"Wide digits CNN (6.33M parameters), ratio as given, 2 hosts x 2 ranks ({LAUNCHERS[launcher]}), each "
+         f"{EXAMPLES[example]}, ratio as given, 2 hosts x 2 ranks ({LAUNCHERS[launcher]}), each "
          "host's eth0 limited by tbf. Step: rank 0, zero_grad to the end of step, median and quartiles over "
          "the rounds; inter-host bytes per step: both hosts' eth0 tx over steps of the mode alone (in the "
          "rounds: the mean of the per-step deltas, approximate; see `bench/hierarchical.py`). Rows marked (HHA job) ran in the second job of the link, with "
-         "HOROVOD_HIERARCHICAL_ALLREDUCE=1.", "", f"Command: `{command}`", "",
+         "HOROVOD_HIERARCHICAL_ALLREDUCE=1. Test: rank 0's test accuracy (digits) or loss (LM) after the "
+         "mode's steps, all short: the modes' quality side by side, not a final one.", "", f"Command: `{command}`", "",
          "Plot: [hierarchical.png](hierarchical.png)", ""]
     for link, rows in rows_by_link.items():
-        L += [f"## {link}", "", "| mode | median step (ms) | quartiles | inter-host bytes/step | in the rounds |",
-              "|---|---:|---|---:|---:|"]
+        L += [f"## {link}", "", "| mode | median step (ms) | quartiles | inter-host bytes/step | in the rounds | "
+              "steps | test |", "|---|---:|---|---:|---:|---:|---:|"]
         for mode, r in rows.items():
             L.append(f"| {mode} | {r['median_ms']:,.1f} | {r['q1_ms']:,.1f}-{r['q3_ms']:,.1f} | {r['bytes']:,.0f} | "
-                     f"{r['rounds_bytes']:,.0f} |")
+                     f"{r['rounds_bytes']:,.0f} | {r.get('steps') or '-'} | {_metric(r)} |")
         L.append("")
         L += [f"{AUTO}'s decisions: " + "; ".join(f"step {h[0]}: {h[3]}" for h in rows[AUTO]["auto_history"]), ""] \
             if AUTO in rows and rows[AUTO].get("auto_history") else []
@@ -208,6 +230,7 @@ def driver(a):
                     argv = [sys.executable, "-m", "bench.hierarchical", "--worker", "--json-out", js, "--modes",
                             ",".join(modes), "--ratio", str(a.ratio), "--rounds", str(a.rounds), "--warmup",
                             str(a.warmup), "--max-warmup", str(a.max_warmup), "--batch-size", str(a.batch_size),
+                            "--example", a.example,
                             "--bytes-steps", str(a.bytes_steps)]
                     t0 = time.perf_counter()
                     try:
@@ -235,8 +258,8 @@ def driver(a):
                 hosts.down()
         rows_by_link[link] = rows
     with open(os.path.join(a.out, "summary.json"), "w") as f:
-        json.dump({"launcher": a.launcher, "links": rows_by_link, "targets": targets(rows_by_link)}, f, indent=1)
-    text = report(rows_by_link, command, a.launcher)
+        json.dump({"launcher": a.launcher, "example": a.example, "links": rows_by_link, "targets": targets(rows_by_link)}, f, indent=1)
+    text = report(rows_by_link, command, a.launcher, a.example)
     with open(os.path.join(a.out, "report.md"), "w") as f:
         f.write(text)
     print(text)
@@ -248,6 +271,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bandwidths", default="100mbit,1gbit", help=f"comma-separated, of {list(BANDWIDTHS)}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES + EXTRA_MODES)}")
+    p.add_argument("--example", choices=sorted(EXAMPLES), default="digits",
+                   help="digits: the wide CNN; lm: char_lm's GPT (bench/ddp_hooks.py's tasks, as DDP's rows train them)")
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--rounds", type=int, default=15, help="turns of every mode after the warm-up")
     p.add_argument("--warmup", type=int, default=3, help="steps of every mode alone before the rounds")
