@@ -20,8 +20,10 @@ cross link's α_x, β_x (r = index bytes / value bytes)::
     hierarchical  (L−1)α_h + (L−1)/L·Mβ_h                         the host's dense ring reduce-scatter
                   + split_reduce(M/L, c) over H ranks, α_x, β_x   the shard's top-k across the hosts
                   + 2α_h·log L + (L−1)·Mc/L·(1+2r)·β_h            the host's allgather of the kept rows
-                  + σ·n/L + 2π·n                                  one shard's selection, pad and rewrite The cheapest wins; ties go to dense, then artopk, then
-split_reduce (the order of ``TRANSPORTS``). Horovod's Gloo and MPI collectives do not expose ring vs.
+                  + σ·n/L + 2π·n                                  one shard's selection, pad and rewrite
+
+The cheapest wins; ties go to dense, then artopk, then split_reduce, then allgather, then hierarchical
+(the order of ``transports_of``). Horovod's Gloo and MPI collectives do not expose ring vs.
 tree, so only the ring formulas are used. The model ignores the overlap with the backward pass and the
 ranks' competition for CPU, so ``trial_plans`` lists the plans worth checking by measurement
 (``hvd_topk.auto.trial``).

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from ..transports.collectives import agree
-from .plans import HostLink
 from ..validate import check_choice, check_int, check_number
+from .plans import HostLink
 
 __all__ = ["DEFAULT_SIZES", "DEFAULT_REPEATS", "DEFAULT_MAX_BYTES", "ProbeResult", "Probe",
            "fit_line", "to_alpha_beta", "probe_hosts"]
