@@ -183,6 +183,29 @@ def wrap(model, mode, a):
     return ddp, state, cap
 
 
+def params_identical(model):
+    """True when ``model``'s parameters are bitwise the same on every rank (torch.distributed, collective)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, 0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def host_tx(iface, local_rank):
+    """``iface``'s tx counter on this host (its first rank reads it), summed over the hosts (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(iface_tx(iface)) if local_rank == 0 else 0.0], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
 def worker(a):
     import torch
     import torch.distributed as dist
@@ -216,33 +239,22 @@ def worker(a):
         arm.steps += 1
         return time.perf_counter() - t0
 
-    def host_tx():
-        """This host's interface counter (its first rank reads it), summed over the hosts."""
-        t = torch.tensor([float(iface_tx(a.iface)) if local_rank == 0 else 0.0], dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.item()
-
     for arm in arms:                              # warm-up: each mode alone (PowerSGD's dense steps)
         for _ in range(a.warmup):
             step(arm)
     for r in range(a.rounds):                     # then --turn steps each, the order rotating
         for j in range(len(arms)):
             arm = arms[(r + j) % len(arms)]
-            tx0 = host_tx()
+            tx0 = host_tx(a.iface, local_rank)
             arm.step_s += [step(arm) for _ in range(a.turn)]
-            arm.bytes.append((host_tx() - tx0) / a.turn)
+            arm.bytes.append((host_tx(a.iface, local_rank) - tx0) / a.turn)
     out = {"example": task.name, "model": task.model, "dataset": task.dataset, "ranks": size, "iface": a.iface,
            "warmup": a.warmup, "rounds": a.rounds, "turn": a.turn, "batch_size": a.batch_size,
            "powersgd_layout": a.powersgd_layout, "torch": torch.__version__, "modes": {}}
     for arm in arms:
-        flat = torch.cat([p.detach().flatten() for p in arm.model.parameters()])
-        ref = flat.clone()
-        dist.broadcast(ref, 0)
-        same = torch.tensor([int(torch.equal(flat, ref))])
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
         out["modes"][arm.mode] = {
             "step_s": arm.step_s, "bytes": arm.bytes, "steps": arm.steps, "bucket_cap_mb": arm.cap,
-            "params_identical": bool(same.item()), "num_params": sum(p.numel() for p in arm.model.parameters()),
+            "params_identical": params_identical(arm.model), "num_params": sum(p.numel() for p in arm.model.parameters()),
             "powersgd_compression_rate": arm.state.compression_stats()[0] if arm.state else None,
             **task.metrics(arm.model)}
     if rank == 0:
@@ -305,15 +317,16 @@ def worker_argv(a, json_out, iface):
             "--gloo-timeout", str(a.gloo_timeout)]
 
 
-def run(a, json_out):
-    """One job: 2+ ranks on this host in a fresh namespace (tbf on its lo), or on emulated hosts."""
+def run(a, json_out, argv_of=worker_argv, env=None):
+    """One job: 2+ ranks on this host in a fresh namespace (tbf on its lo), or on emulated hosts.
+    ``argv_of(a, json_out, iface)``: the ranks' command line; ``env``: extra environment of the ranks."""
     from bench.infra.launch import run_job
     from bench.job import namespace
 
-    env = {"PYTHONPATH": ROOT}
+    env = {"PYTHONPATH": ROOT, **(env or {})}
     if not a.hosts:
         with namespace(BANDWIDTHS[a.bandwidth], TBF_BURST) as ns:
-            return run_job(a.np, worker_argv(a, json_out, "lo"), timeout=a.timeout, prefix=ns.prefix, env=env, cwd=ROOT)
+            return run_job(a.np, argv_of(a, json_out, "lo"), timeout=a.timeout, prefix=ns.prefix, env=env, cwd=ROOT)
     from bench.infra.hosts import EmulatedHosts
     from bench.infra.launch import JobFailed
 
@@ -324,7 +337,7 @@ def run(a, json_out):
         raise RuntimeError(f"the emulated hosts are in use ({busy}); run again when their job is over")
     cluster.up()
     try:
-        return run_job(a.hosts * a.slots, worker_argv(a, json_out, "eth0"), timeout=a.timeout,
+        return run_job(a.hosts * a.slots, argv_of(a, json_out, "eth0"), timeout=a.timeout,
                        prefix=cluster.hosts[0].prefix, env=env, cwd=ROOT, hosts=cluster.host_list(a.slots),
                        interface="eth0")
     except JobFailed:
