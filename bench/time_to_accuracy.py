@@ -9,7 +9,9 @@ examples/digits_cnn.py, SGD lr 0.05 momentum 0.9, 16 per rank) in ONE horovodrun
 - ``horovod dense``: ``hvd.DistributedOptimizer``, no compression;
 - ``topkef``: stock ``hvd.DistributedOptimizer`` with ``compression=hvd_topk.TopKEF(ratio=0.01)`` (its
   default transport, split_reduce); ``topkef artopk``: the same with ``communication='artopk'``;
-- ``hvd_topk``: ``hvd_topk.DistributedOptimizer`` with its defaults, ratio 0.01.
+- ``hvd_topk``: ``hvd_topk.DistributedOptimizer`` with its defaults, ratio 0.01; on request
+  ``hvd_topk warmup`` (DGC's warm-up: the density falls from ratio ** (1/(W+1)) to the ratio over
+  ``--warmup-steps`` W steps) and ``hvd_topk dgc`` (that warm-up and DGC's momentum correction).
 
 Horovod and torch.distributed run in the same processes (``hvd.init()``, then torch.distributed's
 Gloo group as bench/ddp_hooks.py makes it); each Horovod optimizer names its parameters with a
@@ -43,6 +45,8 @@ from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, ROOT
 
 DDP_MODES = ("ddp", "ddp fp16", "ddp powersgd r4")
 HVD_MODES = ("horovod dense", "topkef", "topkef artopk", "hvd_topk")
+# on request: the levers of Top-K's accuracy per step in the first epochs
+EXTRA_MODES = ("hvd_topk warmup", "hvd_topk dgc")
 MODES = DDP_MODES + HVD_MODES
 RATIO = 0.01
 DENSE = "horovod dense"          # the reference of "dense final - 1 pt"
@@ -65,9 +69,11 @@ def build_arm(i, mode, task, a):
         return arm
     named = [(f"m{i}.{n}", p) for n, p in model.named_parameters()]       # Horovod's names, per mode
     base = task.make_opt(model)
-    if mode == "hvd_topk":
+    if mode.startswith("hvd_topk"):
+        levers = {"hvd_topk warmup": dict(warmup_steps=a.warmup_steps),
+                  "hvd_topk dgc": dict(warmup_steps=a.warmup_steps, momentum_correction=True)}.get(mode, {})
         arm.opt = hvd_topk.DistributedOptimizer(base, named_parameters=named,
-                                                compression=hvd_topk.TopKEF(ratio=a.ratio))
+                                                compression=hvd_topk.TopKEF(ratio=a.ratio), **levers)
     else:
         compression = hvd.Compression.none
         if mode.startswith("topkef"):
@@ -227,7 +233,8 @@ def worker_argv(a, json_out, iface):
     return [sys.executable, "-m", "bench.time_to_accuracy", "--worker", "--json-out", json_out, "--iface", iface,
             "--model", a.model, "--modes", ",".join(a.modes), "--warmup", str(a.warmup), "--steps", str(a.steps),
             "--turn", str(a.turn), "--eval-every", str(a.eval_every), "--batch-size", str(a.batch_size),
-            "--ratio", str(a.ratio), "--master-port", str(a.master_port), "--gloo-timeout", str(a.gloo_timeout)]
+            "--ratio", str(a.ratio), "--master-port", str(a.master_port), "--gloo-timeout", str(a.gloo_timeout),
+            "--warmup-steps", str(a.warmup_steps)]
 
 
 class LoadSampler(threading.Thread):
@@ -279,7 +286,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("wide", "cnn"), default="wide",
                    help="the wide digits CNN (6.3M parameters) or the small one (0.15M, for tests)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES + EXTRA_MODES)}")
+    p.add_argument("--warmup-steps", type=int, default=45,
+                   help="the warm-up modes' W (45: one epoch of the digits at 2 ranks x 16)")
     p.add_argument("--bandwidth", default="100mbit", help=f"of {list(BANDWIDTHS)}: tbf on the namespace's lo")
     p.add_argument("--np", type=int, default=2, help="ranks on this host")
     p.add_argument("--steps", type=int, default=200, help="steps per mode (warm-up included)")
@@ -300,8 +309,8 @@ def parse_args(argv=None):
     p.add_argument("--master-addr", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
-    if [m for m in a.modes if m not in MODES] or not a.modes or len(set(a.modes)) != len(a.modes):
-        p.error(f"--modes takes {list(MODES)}, each once; got {a.modes}")
+    if [m for m in a.modes if m not in MODES + EXTRA_MODES] or not a.modes or len(set(a.modes)) != len(a.modes):
+        p.error(f"--modes takes {list(MODES + EXTRA_MODES)}, each once; got {a.modes}")
     if a.bandwidth not in BANDWIDTHS:
         p.error(f"--bandwidth must be one of {list(BANDWIDTHS)}, got {a.bandwidth!r}")
     for name in ("steps", "turn", "eval_every", "batch_size", "np", "timeout", "gloo_timeout"):
