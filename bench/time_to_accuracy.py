@@ -11,7 +11,9 @@ examples/digits_cnn.py, SGD lr 0.05 momentum 0.9, 16 per rank) in ONE horovodrun
   default transport, split_reduce); ``topkef artopk``: the same with ``communication='artopk'``;
 - ``hvd_topk``: ``hvd_topk.DistributedOptimizer`` with its defaults, ratio 0.01; on request
   ``hvd_topk warmup`` (DGC's warm-up: the density falls from ratio ** (1/(W+1)) to the ratio over
-  ``--warmup-steps`` W steps) and ``hvd_topk dgc`` (that warm-up and DGC's momentum correction).
+  ``--warmup-steps`` W steps) and ``hvd_topk dgc`` (that warm-up and DGC's momentum correction);
+- on request across emulated hosts (``--hosts 2``, eth0 limited by tbf, the job with
+  ``HOROVOD_DYNAMIC_PROCESS_SETS=1``): ``topkef hierarchical`` and ``hvd_topk hierarchical``.
 
 Horovod and torch.distributed run in the same processes (``hvd.init()``, then torch.distributed's
 Gloo group as bench/ddp_hooks.py makes it); each Horovod optimizer names its parameters with a
@@ -46,7 +48,7 @@ from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, ROOT
 DDP_MODES = ("ddp", "ddp fp16", "ddp powersgd r4")
 HVD_MODES = ("horovod dense", "topkef", "topkef artopk", "hvd_topk")
 # on request: the levers of Top-K's accuracy per step in the first epochs
-EXTRA_MODES = ("hvd_topk warmup", "hvd_topk dgc")
+EXTRA_MODES = ("hvd_topk warmup", "hvd_topk dgc", "topkef hierarchical", "hvd_topk hierarchical")
 MODES = DDP_MODES + HVD_MODES
 RATIO = 0.01
 DENSE = "horovod dense"          # the reference of "dense final - 1 pt"
@@ -72,13 +74,15 @@ def build_arm(i, mode, task, a):
     if mode.startswith("hvd_topk"):
         levers = {"hvd_topk warmup": dict(warmup_steps=a.warmup_steps),
                   "hvd_topk dgc": dict(warmup_steps=a.warmup_steps, momentum_correction=True)}.get(mode, {})
+        if mode == "hvd_topk hierarchical":
+            levers = dict(communication="hierarchical")
         arm.opt = hvd_topk.DistributedOptimizer(base, named_parameters=named,
                                                 compression=hvd_topk.TopKEF(ratio=a.ratio), **levers)
     else:
         compression = hvd.Compression.none
         if mode.startswith("topkef"):
             compression = hvd_topk.TopKEF(ratio=a.ratio, named_parameters=named,
-                                          communication="artopk" if mode == "topkef artopk" else "split_reduce")
+                                          communication=mode.split()[1] if " " in mode else "split_reduce")
         arm.opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return arm
@@ -200,7 +204,9 @@ def _reached(hit):
 
 def report(rows, record, command):
     L = ["# Time to accuracy, side by side in one job", "",
-         f"{record['ranks']} ranks, {rows[0]['bandwidth'] if rows else '-'} link, the {record['model']} digits CNN, "
+         (f"{record['hosts']} emulated hosts x {record['ranks'] // record['hosts']} ranks (bytes: the hosts' eth0)"
+          if record.get("hosts") else f"{record['ranks']} ranks") +
+         f", {rows[0]['bandwidth'] if rows else '-'} link, the {record['model']} digits CNN, "
          f"{record['steps']} steps per mode (warm-up {record['warmup']} alone, then turns of {record['turn']}), "
          f"test accuracy every {record['eval_every']} steps. Training time: the sum of rank 0's step times "
          "(zero_grad to the end of step), evaluation not included. Bytes: interface tx per step over the ranks "
@@ -263,12 +269,13 @@ def driver(a):
         js = os.path.join(tmp, "r.json")
         t0 = time.perf_counter()
         try:
-            ddp_hooks.run(a, js, argv_of=worker_argv, env={"HOROVOD_CYCLE_TIME": a.cycle_ms})
+            sets = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"} if a.hosts else {}      # hierarchical's host sets
+            ddp_hooks.run(a, js, argv_of=worker_argv, env={"HOROVOD_CYCLE_TIME": a.cycle_ms, **sets})
         finally:
             load.done.set()
         with open(js) as f:
             record = json.load(f)
-    record.update(command=command, job_s=round(time.perf_counter() - t0, 1), bandwidth=a.bandwidth,
+    record.update(command=command, job_s=round(time.perf_counter() - t0, 1), bandwidth=a.bandwidth, hosts=a.hosts,
                   targets=a.targets, load_avg={"every_s": load.every, "samples": load.samples})
     with open(os.path.join(a.out, "record.json"), "w") as f:
         json.dump(record, f)
@@ -290,7 +297,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=45,
                    help="the warm-up modes' W (45: one epoch of the digits at 2 ranks x 16)")
     p.add_argument("--bandwidth", default="100mbit", help=f"of {list(BANDWIDTHS)}: tbf on the namespace's lo")
-    p.add_argument("--np", type=int, default=2, help="ranks on this host")
+    p.add_argument("--np", type=int, default=2, help="ranks on this host (without --hosts)")
+    p.add_argument("--hosts", type=int, default=0, help="emulated hosts (bench/infra/hosts.py); 0: this host")
+    p.add_argument("--slots", type=int, default=2, help="ranks per emulated host")
     p.add_argument("--steps", type=int, default=200, help="steps per mode (warm-up included)")
     p.add_argument("--warmup", type=int, default=3, help="steps of every mode alone first (> 2: PowerSGD's dense steps)")
     p.add_argument("--turn", type=int, default=5, help="steps of one mode in a row")
@@ -322,9 +331,12 @@ def parse_args(argv=None):
         a.targets = sorted(float(t) for t in a.targets.split(",") if t)
     except ValueError:
         p.error(f"--targets takes accuracies such as 0.90,0.95, got {a.targets!r}")
-    a.hosts, a.powersgd_layout = 0, "one-bucket"        # for bench.ddp_hooks' run() and wrap()
+    a.powersgd_layout, a.keep_hosts = "one-bucket", False        # for bench.ddp_hooks' run() and wrap()
+    if not 0 <= a.hosts <= 32 or a.slots < 1:
+        p.error(f"--hosts must be 0..32 and --slots at least 1, got {a.hosts} and {a.slots}")
     if not a.worker and a.out is None:
-        a.out = os.path.join(ROOT, "bench", "results", f"time_to_accuracy_digits_{a.bandwidth}")
+        a.out = os.path.join(ROOT, "bench", "results", f"time_to_accuracy_digits_{a.bandwidth}"
+                             + (f"_{a.hosts}hosts" if a.hosts else ""))
     return a
 
 
