@@ -384,17 +384,41 @@ def driver(a):
     return rows
 
 
+def add_job_args(p, master_port, gloo_timeout, timeout):
+    """The arguments ``run()`` and ``init_group()`` read: where the ranks run, the torch.distributed
+    group, the job's limit, and the worker's hidden ones. Shared with bench/time_to_accuracy.py."""
+    p.add_argument("--bandwidth", default="100mbit", help=f"of {list(BANDWIDTHS)}: tbf on lo, or on every eth0")
+    p.add_argument("--np", type=int, default=2, help="ranks on this host (without --hosts)")
+    p.add_argument("--hosts", type=int, default=0, help="emulated hosts (bench/infra/hosts.py); 0: this host")
+    p.add_argument("--slots", type=int, default=2, help="ranks per emulated host")
+    p.add_argument("--keep-hosts", action="store_true", help="leave emulated hosts this run built up")
+    p.add_argument("--master-port", type=int, default=master_port)
+    p.add_argument("--gloo-timeout", type=int, default=gloo_timeout, help="seconds before a stuck collective raises")
+    p.add_argument("--timeout", type=int, default=timeout, help="seconds for the job")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json-out", help=argparse.SUPPRESS)
+    p.add_argument("--iface", default="lo", help=argparse.SUPPRESS)
+    p.add_argument("--master-addr", default=None, help=argparse.SUPPRESS)
+
+
+def check_job_args(p, a):
+    """``add_job_args``' values: p.error naming the first bad one."""
+    if a.bandwidth not in BANDWIDTHS:
+        p.error(f"--bandwidth must be one of {list(BANDWIDTHS)}, got {a.bandwidth!r}")
+    for name in ("np", "slots", "timeout", "gloo_timeout"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    if not 0 <= a.hosts <= 32:
+        p.error(f"--hosts must be 0..32, got {a.hosts}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--example", choices=EXAMPLES, default="digits", help="digits: the wide CNN; lm: char_lm's GPT")
     p.add_argument("--model", choices=("wide", "cnn"), default="wide",
                    help="digits: the wide CNN (6.3M parameters) or the small one (0.15M, for tests)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
-    p.add_argument("--bandwidth", default="100mbit", help=f"of {list(BANDWIDTHS)}: tbf on lo, or on every eth0")
-    p.add_argument("--np", type=int, default=2, help="ranks on this host (without --hosts)")
-    p.add_argument("--hosts", type=int, default=0, help="emulated hosts (bench/infra/hosts.py); 0: this host")
-    p.add_argument("--slots", type=int, default=2, help="ranks per emulated host")
-    p.add_argument("--keep-hosts", action="store_true", help="leave emulated hosts this run built up")
+    add_job_args(p, master_port=29517, gloo_timeout=60, timeout=1800)
     p.add_argument("--warmup", type=int, default=3, help=f"steps of every mode alone first (> {START_POWERSGD_ITER})")
     p.add_argument("--rounds", type=int, default=20, help="turns of every mode after the warm-up")
     p.add_argument("--turn", type=int, default=1, help="steps of one mode in a row")
@@ -402,28 +426,18 @@ def parse_args(argv=None):
     p.add_argument("--powersgd-layout", choices=LAYOUTS, default="one-bucket",
                    help="one-bucket: the model in one DDP bucket; serial: DDP's buckets, each hook future waited "
                         "for; ddp-buckets: torch's hook as it is (fails on Gloo with several buckets)")
-    p.add_argument("--master-port", type=int, default=29517)
-    p.add_argument("--gloo-timeout", type=int, default=60, help="seconds before a stuck collective raises")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--out", default=None, help="results folder (bench/results/ddp_hooks_*)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--json-out", help=argparse.SUPPRESS)
-    p.add_argument("--iface", default="lo", help=argparse.SUPPRESS)
-    p.add_argument("--master-addr", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in a.modes if m not in MODES]
     if bad or not a.modes or len(set(a.modes)) != len(a.modes):
         p.error(f"--modes takes {list(MODES)}, each once; got {a.modes}")
-    if a.bandwidth not in BANDWIDTHS:
-        p.error(f"--bandwidth must be one of {list(BANDWIDTHS)}, got {a.bandwidth!r}")
-    for name in ("rounds", "turn", "batch_size", "np", "slots", "timeout", "gloo_timeout"):
+    check_job_args(p, a)
+    for name in ("rounds", "turn", "batch_size"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     if a.warmup <= START_POWERSGD_ITER:
         p.error(f"--warmup must be more than {START_POWERSGD_ITER} (PowerSGD's dense steps), got {a.warmup}")
-    if not 0 <= a.hosts <= 32:
-        p.error(f"--hosts must be 0..32, got {a.hosts}")
     if not a.worker and a.out is None:
         a.out = os.path.join(ROOT, "bench", "results", f"ddp_hooks_{a.example}_{a.bandwidth}"
                              + (f"_{a.hosts}hosts" if a.hosts else ""))

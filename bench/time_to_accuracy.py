@@ -43,7 +43,7 @@ import time
 import types
 
 from bench import ddp_hooks
-from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, ROOT
+from bench.constants import CYCLE_TIME_MS, ROOT
 
 DDP_MODES = ("ddp", "ddp fp16", "ddp powersgd r4")
 HVD_MODES = ("horovod dense", "topkef", "topkef artopk", "hvd_topk")
@@ -296,10 +296,7 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES + EXTRA_MODES)}")
     p.add_argument("--warmup-steps", type=int, default=45,
                    help="the warm-up modes' W (45: one epoch of the digits at 2 ranks x 16)")
-    p.add_argument("--bandwidth", default="100mbit", help=f"of {list(BANDWIDTHS)}: tbf on the namespace's lo")
-    p.add_argument("--np", type=int, default=2, help="ranks on this host (without --hosts)")
-    p.add_argument("--hosts", type=int, default=0, help="emulated hosts (bench/infra/hosts.py); 0: this host")
-    p.add_argument("--slots", type=int, default=2, help="ranks per emulated host")
+    ddp_hooks.add_job_args(p, master_port=29527, gloo_timeout=300, timeout=3600)
     p.add_argument("--steps", type=int, default=200, help="steps per mode (warm-up included)")
     p.add_argument("--warmup", type=int, default=3, help="steps of every mode alone first (> 2: PowerSGD's dense steps)")
     p.add_argument("--turn", type=int, default=5, help="steps of one mode in a row")
@@ -308,21 +305,13 @@ def parse_args(argv=None):
     p.add_argument("--ratio", type=float, default=RATIO, help="Top-K ratio of the TopKEF / hvd_topk modes")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--cycle-ms", default=CYCLE_TIME_MS, help="HOROVOD_CYCLE_TIME of the job")
-    p.add_argument("--master-port", type=int, default=29527)
-    p.add_argument("--gloo-timeout", type=int, default=300, help="seconds before a stuck collective raises")
-    p.add_argument("--timeout", type=int, default=3600, help="seconds for the job")
     p.add_argument("--out", default=None, help="results folder (default bench/results/time_to_accuracy_digits_<link>)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--json-out", help=argparse.SUPPRESS)
-    p.add_argument("--iface", default="lo", help=argparse.SUPPRESS)
-    p.add_argument("--master-addr", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
     if [m for m in a.modes if m not in MODES + EXTRA_MODES] or not a.modes or len(set(a.modes)) != len(a.modes):
         p.error(f"--modes takes {list(MODES + EXTRA_MODES)}, each once; got {a.modes}")
-    if a.bandwidth not in BANDWIDTHS:
-        p.error(f"--bandwidth must be one of {list(BANDWIDTHS)}, got {a.bandwidth!r}")
-    for name in ("steps", "turn", "eval_every", "batch_size", "np", "timeout", "gloo_timeout"):
+    ddp_hooks.check_job_args(p, a)
+    for name in ("steps", "turn", "eval_every", "batch_size"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     if not ddp_hooks.START_POWERSGD_ITER < a.warmup < a.steps:
@@ -331,9 +320,7 @@ def parse_args(argv=None):
         a.targets = sorted(float(t) for t in a.targets.split(",") if t)
     except ValueError:
         p.error(f"--targets takes accuracies such as 0.90,0.95, got {a.targets!r}")
-    a.powersgd_layout, a.keep_hosts = "one-bucket", False        # for bench.ddp_hooks' run() and wrap()
-    if not 0 <= a.hosts <= 32 or a.slots < 1:
-        p.error(f"--hosts must be 0..32 and --slots at least 1, got {a.hosts} and {a.slots}")
+    a.powersgd_layout = "one-bucket"        # for bench.ddp_hooks' wrap()
     if not a.worker and a.out is None:
         a.out = os.path.join(ROOT, "bench", "results", f"time_to_accuracy_digits_{a.bandwidth}"
                              + (f"_{a.hosts}hosts" if a.hosts else ""))
