@@ -39,6 +39,11 @@ _MAGNITUDE_BITS = {
 # Below this size, or above this fraction kept, one torch.topk beats a sample plus a pass.
 _MIN_FAST_NUMEL = 1 << 16
 _MAX_FAST_RATIO = 0.25
+# On CUDA, torch.topk's radix select beats the sampled pass (whose threshold and counts each wait for
+# the GPU) up to tens of millions of elements; on an H100 the pass won only 4-byte inputs of 100M
+# (bench/results/select_cuda). Below this size, and for 2-byte dtypes, CUDA takes torch.topk.
+_MIN_FAST_NUMEL_CUDA = 1 << 26
+_FAST_CUDA_DTYPES = (torch.float32, torch.float64)
 # Random sample for the threshold estimate: one position per 64 elements, within these bounds, costs
 # a few percent of the pass yet puts the threshold within ~10% of the k-th magnitude's rank for the
 # usual ratios. A fixed seed makes every call on the same input identical.
@@ -65,7 +70,8 @@ def topk_indices(x, k):
     ``torch.topk`` on those few candidates only; if the pass finds fewer than k it retries with a lower
     threshold, and after that falls back to ``torch.topk``. Extra memory is a few cache-sized buffers
     plus the candidates, not a copy of ``x`` (except in that rare fallback, and for small inputs or
-    k > n/4, which go straight to ``torch.topk``).
+    k > n/4, which go straight to ``torch.topk``; on CUDA, so do inputs under 2**26 elements and
+    2-byte dtypes, where ``torch.topk`` is faster).
 
     NaN is treated as larger than any number (as ``torch.topk`` does), so a non-finite input selects
     its NaN entries first; callers that must not send NaN check finiteness themselves. -0.0 and 0.0 are
@@ -93,6 +99,8 @@ def topk_indices(x, k):
     if k == n:
         return torch.arange(n, device=x.device)
     if n < _MIN_FAST_NUMEL or k > _MAX_FAST_RATIO * n:
+        return _topk_exact(x, k)
+    if x.is_cuda and (n < _MIN_FAST_NUMEL_CUDA or x.dtype not in _FAST_CUDA_DTYPES):
         return _topk_exact(x, k)
     return _topk_by_threshold(x, k)
 

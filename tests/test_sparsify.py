@@ -208,14 +208,25 @@ def test_strided_input_matches(dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("path", ["pass", "topk"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("kind", KINDS)
-def test_cuda_matches_torch_topk(kind, dtype):
+def test_cuda_matches_torch_topk(kind, dtype, path, monkeypatch):
+    # "pass": CUDA's size bound lowered to LARGE, so float32/float64 take the sampled pass, as inputs of
+    # 2**26 elements and more do; 2-byte dtypes still take torch.topk. "topk": the bound as shipped.
+    calls = []
+    exact = sparsify._topk_exact
+    monkeypatch.setattr(sparsify, "_topk_exact", lambda x, k: calls.append(k) or exact(x, k))
+    if path == "pass":
+        monkeypatch.setattr(sparsify, "_MIN_FAST_NUMEL_CUDA", LARGE)
     x = make_input(kind, LARGE, dtype, seed=11).cuda()
-    for k in (1, LARGE // 1000, LARGE // 100, LARGE // 5):
+    ks = (1, LARGE // 1000, LARGE // 100, LARGE // 5)
+    for k in ks:
         idx = topk_indices(x, k)
         check_topk(x, k, idx)
         assert torch.equal(idx, topk_indices(x, k))
+    takes_pass = path == "pass" and dtype in (torch.float32, torch.float64)
+    assert calls == ([] if takes_pass else [k for k in ks for _ in range(2)])
 
 
 @needs_cuda

@@ -15,12 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def git_commit(root=ROOT):
-    """``git rev-parse HEAD`` of the checkout, with ``-dirty`` when tracked files differ from it.
+    """``git rev-parse HEAD`` of the checkout, with ``-dirty`` when tracked files differ from it; None
+    outside a git checkout.
 
-    Outside a git checkout (a copy of the tree sent to a GPU machine, say) the copy cannot know its
-    commit: ``HVD_TOPK_COMMIT``, set by whoever made the copy, is taken instead; else None."""
-    if not os.path.isdir(os.path.join(root, ".git")) and not os.path.isfile(os.path.join(root, ".git")):
-        return os.environ.get("HVD_TOPK_COMMIT") or None
+    ``HVD_TOPK_COMMIT``, when set, is taken instead: a copy of the tree sent to another machine (a GPU
+    machine, say) may carry no .git, or a stale one, and only whoever made the copy knows its commit."""
+    if os.environ.get("HVD_TOPK_COMMIT"):
+        return os.environ["HVD_TOPK_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
