@@ -331,11 +331,7 @@ def run(a, json_out, argv_of=worker_argv, env=None):
     from bench.infra.launch import JobFailed
 
     cluster = EmulatedHosts(a.hosts, rate=BANDWIDTHS[a.bandwidth])
-    busy = hosts_in_use(cluster)
-    if busy:
-        # up() would rebuild hosts of another size or rate under that job, and a measurement needs the link
-        raise RuntimeError(f"the emulated hosts are in use ({busy}); run again when their job is over")
-    cluster.up()
+    cluster.up(exclusive=True)       # alone: the measurement needs the link, and nobody may rebuild it meanwhile
     try:
         return run_job(a.hosts * a.slots, argv_of(a, json_out, "eth0"), timeout=a.timeout,
                        prefix=cluster.hosts[0].prefix, env=env, cwd=ROOT, hosts=cluster.host_list(a.slots),
@@ -344,19 +340,7 @@ def run(a, json_out, argv_of=worker_argv, env=None):
         cluster.kill_strays()        # our ranks on the other hosts (the launcher's kill does not cross ssh)
         raise
     finally:
-        if cluster.brought_up and not a.keep_hosts:
-            cluster.down()
-
-
-def hosts_in_use(cluster):
-    """'N processes on nodeK, ...' when processes other than the hosts' sshd run on emulated hosts that
-    are up; '' when none run or the hosts are not up."""
-    used = []
-    for h in cluster.hosts:
-        others = [p for p in h.pids() if p != h.sshd_pid()]
-        if others:
-            used.append(f"{len(others)} processes on {h.name}")
-    return ", ".join(used)
+        cluster.close(keep=a.keep_hosts)
 
 
 def driver(a):

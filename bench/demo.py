@@ -57,8 +57,8 @@ def main():
                   f"--compression {mode} --epochs {args.epochs}", flush=True)
             rows.append(run(mode, args, isolated, hosts))
     finally:
-        if hosts is not None and hosts.brought_up:
-            hosts.down()
+        if hosts is not None:
+            hosts.close()
     print_table(rows, args, isolated, hosts)
 
 

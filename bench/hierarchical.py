@@ -218,7 +218,7 @@ def driver(a):
     rows_by_link = {}
     for link in a.bandwidths:
         hosts = EmulatedHosts(2, BANDWIDTHS[link])
-        hosts.up()
+        hosts.up(exclusive=True)     # alone: the measurement needs the link, and nobody may rebuild it meanwhile
         rows = {}
         try:
             jobs = [("modes", a.modes, {})]
@@ -254,8 +254,7 @@ def driver(a):
                 print(f"{link} {job}: {time.perf_counter() - t0:.0f} s; " + ", ".join(
                     f"{m} {r['median_ms']:.0f} ms {r['bytes']:,.0f} B" for m, r in summary.items()), flush=True)
         finally:
-            if hosts.brought_up:
-                hosts.down()
+            hosts.close()
         rows_by_link[link] = rows
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump({"launcher": a.launcher, "example": a.example, "links": rows_by_link, "targets": targets(rows_by_link)}, f, indent=1)

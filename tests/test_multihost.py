@@ -86,8 +86,29 @@ def hosts():
         yield cluster
     finally:
         cluster.kill_strays()
-        if cluster.brought_up:
-            cluster.down()
+        cluster.close()
+
+
+def test_hosts_in_use_are_not_rebuilt_or_deleted_under_their_user(hosts):
+    """While this module holds the hosts, another process may share them as they are, but not rebuild
+    them at another rate or delete them: it is told which process holds them, and nothing changes. A
+    benchmark that needs them alone is refused the same way."""
+    script = os.path.join(ROOT, "scripts", "hosts.sh")
+    sshd = [h.sshd_pid() for h in hosts.hosts]
+    holder = f"pid {os.getpid()}"
+
+    def hosts_sh(*args):
+        return subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=120)
+
+    rebuild, delete, share = hosts_sh("up", "2", "100mbit"), hosts_sh("down"), hosts_sh("up", "2")
+    assert rebuild.returncode == 1 and "cannot rebuild them as 2 host(s), eth0 100mbit" in rebuild.stderr
+    assert holder in rebuild.stderr, rebuild.stderr
+    assert delete.returncode == 1 and "not deleted" in delete.stderr and holder in delete.stderr, delete.stderr
+    assert share.returncode == 0 and "already up" in share.stdout, share.stdout + share.stderr
+    with pytest.raises(hosts_module.HostsBusy, match=f"cannot have them alone as 2 host.*{holder} \\(this process\\)"):
+        EmulatedHosts(2).up(exclusive=True)
+    assert [h.sshd_pid() for h in hosts.hosts] == sshd and not hosts.problems()
+    assert hosts_module._read_state(hosts.state_dir)["rate"] is None
 
 
 def run_across(hosts, out, worker, *args, backend, timeout=JOB_TIMEOUT, env=None):

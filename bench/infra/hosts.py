@@ -20,6 +20,7 @@ util-linux (nsenter, unshare) and openssh-server (installed by scripts/install.s
     python -m bench.infra.hosts status
     python -m bench.infra.hosts down
 """
+import fcntl
 import json
 import os
 import shutil
@@ -28,7 +29,10 @@ import subprocess
 import sys
 import time
 
-__all__ = ["HostsUnavailable", "cannot_make_namespaces", "missing_requirements", "Host", "EmulatedHosts", "down_all", "main"]
+from bench.infra.hosts_lock import HostsBusy, HostsLock, describe, holders
+
+__all__ = ["HostsUnavailable", "HostsBusy", "cannot_make_namespaces", "missing_requirements", "Host", "EmulatedHosts",
+           "down_all", "main"]
 
 SUBNET = "10.77.0"
 NETNS_PREFIX = "hvdhosts-"                         # namespaces: hvdhosts-switch, hvdhosts-node1, ...
@@ -242,7 +246,11 @@ Host {subnet}.*
 
 
 class EmulatedHosts:
-    """N emulated hosts (see the module docstring); ``up()``/``down()`` or a ``with`` block.
+    """N emulated hosts (see the module docstring); ``up()``/``close()`` or a ``with`` block.
+
+    Between ``up()`` and ``close()`` this process holds them (bench/infra/hosts_lock.py): nobody else
+    rebuilds or deletes them meanwhile, and where that is what this one needs, ``HostsBusy`` says who
+    holds them.
 
     Args:
         n: number of hosts (1..32).
@@ -257,27 +265,46 @@ class EmulatedHosts:
         self.hosts = [Host(i, state_dir) for i in range(1, n + 1)]
         self.brought_up = False      # whether up() built them (False: they were up already)
         self.daemons = set()         # pids of services started on the hosts (slurmd, ...): kept by kill_strays
+        self.lock = HostsLock(state_dir.rstrip("/") + ".lock")
 
     def __enter__(self):
         self.up()
         return self
 
     def __exit__(self, *exc):
-        if self.brought_up:
-            self.down()
+        self.close()
 
     def host_list(self, slots_per_host):
         """horovodrun/mpirun ``-H`` value: ``10.77.0.1:S,10.77.0.2:S,...``."""
         return ",".join(h.slots(slots_per_host) for h in self.hosts)
 
-    def up(self):
-        """Build the hosts, or keep them when exactly these are up and answer; else rebuild."""
+    def up(self, exclusive=False):
+        """Build the hosts, or keep them when exactly these are up and answer; else rebuild.
+
+        ``exclusive``: hold them alone until ``close()`` (a benchmark, whose link must carry its own
+        traffic only). HostsBusy when another process holds them and this needs them alone (exclusive,
+        or a rebuild), or when processes of a job run on them and a rebuild would end them."""
         missing = missing_requirements()
         if missing:
             raise HostsUnavailable("cannot emulate hosts here; missing: " + "; ".join(missing))
         state = _read_state(self.state_dir)
-        if state.get("n") == self.n and state.get("rate") == self.rate and not self.problems():
+        wanted = f"{self.n} host(s), eth0 {self.rate or 'unlimited'}"
+        same = state.get("n") == self.n and state.get("rate") == self.rate
+        if exclusive or not same:
+            self.lock.exclusive(f"have them alone as {wanted}" if same else
+                                f"rebuild them as {wanted} (they are {state.get('n')} host(s), eth0 "
+                                f"{state.get('rate') or 'unlimited'})")
+            jobs = self.foreign_processes() if state else []
+            if jobs:
+                self.lock.release()
+                raise HostsBusy(f"cannot {'have' if same else 'rebuild'} the emulated hosts as {wanted}: a job "
+                                f"runs on them ({jobs}); end it, or run `scripts/hosts.sh down`")
+        else:
+            self.lock.share()
+        if same and not self.problems():
             return self
+        if self.lock.mode != fcntl.LOCK_EX:
+            self.lock.exclusive(f"rebuild them as {wanted} (they do not answer)")
         down_all(self.state_dir, quiet=True)
         try:
             self._make_state_dir()
@@ -287,12 +314,40 @@ class EmulatedHosts:
             self._wait_for_ssh()
         except BaseException:
             down_all(self.state_dir, quiet=True)
+            self.lock.release()
             raise
         self.brought_up = True
+        if not exclusive:
+            self.lock.share()                       # let others run beside this user from now on
         return self
 
+    def close(self, keep=False):
+        """Let the hosts go: delete them if this built them, nobody else holds them and not ``keep``;
+        else leave them up (for those who hold them, or for the next user: up() keeps hosts that match)."""
+        if self.brought_up and not keep:
+            self.down()
+        self.lock.release()
+
     def down(self):
+        """Delete the hosts; where another process holds them, leave them up for it and say so. Returns
+        whether they were deleted."""
+        try:
+            self.lock.exclusive("delete them")
+        except HostsBusy as e:
+            print(f"hosts: left up: {e}", file=sys.stderr, flush=True)
+            return False
         down_all(self.state_dir, quiet=True)
+        self.lock.release()
+        self.brought_up = False
+        return True
+
+    def foreign_processes(self):
+        """'N processes on nodeK, ...' for the processes other than sshd and this object's daemons on
+        the hosts (a job's ranks); '' when none run or the hosts are not up."""
+        keep = self.daemons | {h.sshd_pid() for h in self.hosts}
+        used = [f"{len(others)} processes on {h.name}" for h in self.hosts
+                if (others := [p for p in h.pids() if p not in keep and p != os.getpid()])]
+        return ", ".join(used)
 
     def _make_state_dir(self):
         os.makedirs(os.path.join(self.state_dir, "uts"), mode=0o700)
@@ -374,6 +429,10 @@ class EmulatedHosts:
     def kill_strays(self, keep=()):
         """End every process on the hosts except their sshd (and ``keep``): what a failed or timed-out
         job left behind on a host other than the launcher's (a launcher's kill does not cross ssh)."""
+        others = [(pid, cmd) for pid, cmd in holders(self.lock.path) if pid != os.getpid()]
+        if others:               # their processes are on the hosts too, and look just like strays
+            print(f"hosts: strays not ended: the hosts are also held by {describe(others)}", file=sys.stderr)
+            return []
         keep = set(keep) | self.daemons | {h.sshd_pid() for h in self.hosts}
         strays = [p for h in self.hosts for p in h.pids() if p not in keep and p != os.getpid()]
         # sshd's per-connection children are processes of ours too, and end with their sessions.
@@ -412,6 +471,10 @@ def main(argv=None):
         print("hosts: can emulate hosts" if not missing else "hosts: missing: " + "; ".join(missing))
         return 0 if not missing else 1
     if argv[0] == "down":
+        held = holders(HostsLock(STATE_DIR.rstrip("/") + ".lock").path)
+        if held:
+            print(f"hosts: not deleted: they are held by {describe(held)}", file=sys.stderr)
+            return 1
         down_all()
         return 0
     if argv[0] == "status":
@@ -428,7 +491,7 @@ def main(argv=None):
     cluster = EmulatedHosts(int(argv[1]), argv[2] if len(argv) == 3 else None)
     try:
         cluster.up()
-    except HostsUnavailable as e:
+    except (HostsUnavailable, HostsBusy) as e:
         print(f"hosts: {e}", file=sys.stderr)
         return 1
     what = "built" if cluster.brought_up else "already up"
