@@ -320,15 +320,19 @@ def worker_argv(a, json_out, iface):
 def run(a, json_out, argv_of=worker_argv, env=None):
     """One job: 2+ ranks on this host in a fresh namespace (tbf on its lo), or on emulated hosts.
     ``argv_of(a, json_out, iface)``: the ranks' command line; ``env``: extra environment of the ranks."""
-    from bench.infra.launch import run_job
+    from bench.infra.launch import JobFailed, run_job
     from bench.job import namespace
 
     env = {"PYTHONPATH": ROOT, **(env or {})}
     if not a.hosts:
         with namespace(BANDWIDTHS[a.bandwidth], TBF_BURST) as ns:
-            return run_job(a.np, argv_of(a, json_out, "lo"), timeout=a.timeout, prefix=ns.prefix, env=env, cwd=ROOT)
+            try:
+                return run_job(a.np, argv_of(a, json_out, "lo"), timeout=a.timeout, prefix=ns.prefix, env=env,
+                               cwd=ROOT)
+            except JobFailed as e:
+                keep_output(a, e)
+                raise
     from bench.infra.hosts import EmulatedHosts
-    from bench.infra.launch import JobFailed
 
     cluster = EmulatedHosts(a.hosts, rate=BANDWIDTHS[a.bandwidth])
     cluster.up(exclusive=True)       # alone: the measurement needs the link, and nobody may rebuild it meanwhile
@@ -336,11 +340,21 @@ def run(a, json_out, argv_of=worker_argv, env=None):
         return run_job(a.hosts * a.slots, argv_of(a, json_out, "eth0"), timeout=a.timeout,
                        prefix=cluster.hosts[0].prefix, env=env, cwd=ROOT, hosts=cluster.host_list(a.slots),
                        interface="eth0")
-    except JobFailed:
+    except JobFailed as e:
         cluster.kill_strays()        # our ranks on the other hosts (the launcher's kill does not cross ssh)
+        keep_output(a, e)
         raise
     finally:
         cluster.close(keep=a.keep_hosts)
+
+
+def keep_output(a, failed):
+    """A failed job's whole output, every rank's first error included, in --out/job_failed.log (the
+    exception keeps only its tail)."""
+    if getattr(a, "out", None):
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "job_failed.log"), "w") as f:
+            f.write(failed.output)
 
 
 def driver(a):

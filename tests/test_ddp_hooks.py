@@ -1,5 +1,6 @@
 """bench.ddp_hooks: PyTorch DDP with no hook, the fp16 hook and torch's PowerSGD hook on Gloo, as rows
 beside the Horovod ones: one real 2-rank job over a private loopback, and the rows it derives."""
+import argparse
 import json
 import os
 import shutil
@@ -69,3 +70,11 @@ def test_bad_arguments_name_the_flag(capsys, argv, match):
     with pytest.raises(SystemExit):
         ddp_hooks.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+def test_a_failed_job_leaves_its_whole_output_in_the_results_folder(tmp_path):
+    from bench.infra.launch import JobFailed
+
+    output = "[0]<stderr>: the first error\n" + "x" * 10000 + "\n[3]<stderr>: the last line\n"
+    ddp_hooks.keep_output(argparse.Namespace(out=str(tmp_path / "res")), JobFailed("job exited with 1", output))
+    assert (tmp_path / "res" / "job_failed.log").read_text() == output      # the tail in the exception is not enough
