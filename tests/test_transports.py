@@ -44,3 +44,13 @@ def test_transport_contract(results, np, name):
             total_sent = sum(r["sent"] for r in mine)
             torch.testing.assert_close(total_sent + mine[-1]["residual"], sum(r["grad"] for r in mine),
                                        rtol=0, atol=1e-5)
+
+
+@pytest.mark.jobs(*JOBS)
+@pytest.mark.parametrize("np", (2, 3))
+def test_waiting_ranks_sleep_instead_of_spinning(results, np):
+    # The ranks that wait a second for the last one spend a small part of it on the CPU; Horovod's own
+    # synchronize() (HVD_TOPK_SPIN_WAIT=1) would spend all of it, starving ranks that share the cores.
+    waits = [r["late_wait"] for r in results(JOBS[(2, 3).index(np)])][:-1]
+    for wall, cpu in waits:
+        assert wall > 0.5 and cpu < 0.2 * wall, waits

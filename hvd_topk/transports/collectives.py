@@ -6,13 +6,38 @@
 - The finite flag: one element that rides with a rank's values and tells every rank, from the sum,
   whether some rank's accumulator was non-finite.
 - ``agree``: numbers every rank holds bit for bit, for decisions that must be identical everywhere.
+- ``wait``: Horovod's ``synchronize`` without its busy wait.
 """
+import os
+import time
 from typing import NamedTuple
 
 import torch
 from horovod.torch import mpi_ops
 
-__all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree"]
+__all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait"]
+
+# wait()'s sleeps between polls: from 20 us, doubling, to at most 100 us. HVD_TOPK_SPIN_WAIT=1 waits as
+# Horovod does (spinning): the least latency where every rank has cores of its own, and the baseline
+# of the A/B measurement in docs/results.md.
+_FIRST_SLEEP_S, _LONGEST_SLEEP_S = 2e-5, 1e-4
+_SPIN = os.environ.get("HVD_TOPK_SPIN_WAIT") == "1"
+
+
+def wait(handle):
+    """The output of Horovod's asynchronous collective ``handle``: ``mpi_ops.synchronize(handle)``,
+    reached through ``mpi_ops.poll`` and short sleeps.
+
+    Why: ``synchronize`` spins (Horovod 0.28.1 waits in a yield loop) until the background thread
+    is done, so every waiting rank burns a whole core. Where ranks share cores (oversubscribed CPU jobs,
+    several ranks per host) the spinning takes the CPU from the ranks and Horovod threads that do the
+    work. The sleeps add at most about 0.1 ms per collective, against Horovod's cycle of 1 ms or more.
+    Errors are ``synchronize``'s own (a finished ``poll`` leaves them to it)."""
+    pause = _FIRST_SLEEP_S
+    while not _SPIN and not mpi_ops.poll(handle):
+        time.sleep(pause)
+        pause = min(2 * pause, _LONGEST_SLEEP_S)
+    return mpi_ops.synchronize(handle)
 
 
 class Reduction(NamedTuple):
@@ -89,7 +114,7 @@ class Collectives:
         if key not in self.group_of:
             start = mpi_ops.allreduce_async_ if inplace else mpi_ops.allreduce_async
             handle = start(tensor, name=name, process_set=self.process_set, **options)
-            return lambda: mpi_ops.synchronize(handle)
+            return lambda: wait(handle)
         return self._queue(key, [("allreduce", tensor, options)])[0]
 
     def allgather(self, key, tensors, name):
@@ -98,7 +123,7 @@ class Collectives:
         if key not in self.group_of:
             handles = [mpi_ops.allgather_async(t, name=f"{name}.{i}", process_set=self.process_set)
                        for i, t in enumerate(tensors)]
-            return [lambda h=h: mpi_ops.synchronize(h) for h in handles]
+            return [lambda h=h: wait(h) for h in handles]
         return self._queue(key, [("allgather", t, {}) for t in tensors])
 
     def _queue(self, key, items):
@@ -150,5 +175,5 @@ class Collectives:
             self.start_pending()
         shared = slot["shared"]
         if "outputs" not in shared:
-            shared["outputs"] = mpi_ops.synchronize(shared.pop("handle"))
+            shared["outputs"] = wait(shared.pop("handle"))
         return shared["outputs"][slot["index"]]

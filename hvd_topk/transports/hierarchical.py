@@ -32,7 +32,7 @@ import math
 import torch
 from horovod.torch import mpi_ops
 
-from .collectives import Collectives
+from .collectives import Collectives, wait
 from ..sparsify import sq_norm_finite
 from .base import Outcome, Started
 from .host_sets import resolve
@@ -108,7 +108,7 @@ class Hierarchical:
         """Step 2: the host's sum of this rank's shard, its top-k started across hosts."""
         n = acc.numel()
         m, start, real, k_shard = shard_of(n, self.sets.per_host, self.sets.position, k)
-        own = mpi_ops.synchronize(handle)[:real].to(acc.dtype)
+        own = wait(handle)[:real].to(acc.dtype)
         started = self.inner.start(key, own, k_shard, sq_norm_finite(own)[1]) if real else None
         return acc, own, start, started
 
@@ -139,8 +139,8 @@ class Hierarchical:
         shard, and the host's nominated entries (where momentum correction masks). Every index comes
         from one shard's owner: copied, not summed, so the aggregate is the same bit for bit."""
         n = acc.numel()
-        values, indices = from_rows(mpi_ops.synchronize(handles[0]), acc.dtype)
-        nominated = mpi_ops.synchronize(handles[1]).long()
+        values, indices = from_rows(wait(handles[0]), acc.dtype)
+        nominated = wait(handles[1]).long()
         flags = values[indices == n]
         if not bool(torch.isfinite(flags).all()) or bool((flags != 0).any()):
             return Outcome(None, None)

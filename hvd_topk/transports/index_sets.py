@@ -18,6 +18,7 @@ import torch
 from horovod.torch import mpi_ops
 
 from ..sparsify import spread_indices, topk_indices
+from .collectives import wait
 
 __all__ = ["IndexPipeline", "PLAN_HEADER"]
 
@@ -115,7 +116,7 @@ class IndexPipeline:
             return
         handle, plan = self.in_flight
         self.in_flight = None
-        gathered = mpi_ops.synchronize(handle)
+        gathered = wait(handle)
         if gathered is None:                   # Horovod was re-initialised since (an elastic reset):
             self.ready = {}                    # every rank's flush died with it, so every rank starts
             return                             # the next step from the spread set

@@ -28,6 +28,7 @@ import math
 import torch
 from horovod.torch import mpi_ops
 
+from .collectives import wait
 from .regions import Regions
 from ..sparsify import sq_norm_finite, topk_indices
 from ..wire import HIST_BINS, HIST_BYTES, INDEX_BYTES
@@ -172,7 +173,7 @@ class SplitReduce:
     def _sum_candidates(self, key, handle, acc, sel, k, bounds):
         """Step 2 and the start of step 3: this owner's summed candidates and its histogram allreduce;
         None when some rank was non-finite (every owner received every rank's flag row)."""
-        values, indices, largest, other_sizes = senders_rows(*mpi_ops.synchronize(handle), acc.numel(),
+        values, indices, largest, other_sizes = senders_rows(*wait(handle), acc.numel(),
                                                              self.value_dtype or acc.dtype)
         if not bool(torch.isfinite(largest).all()):
             return None
@@ -190,7 +191,7 @@ class SplitReduce:
 
     def _keep(self, key, handle, acc, sel, k, candidates, sums, bins, counts):
         """Step 3: this owner's share of the global top-k, then the start of step 4's allgather."""
-        hist = mpi_ops.synchronize(handle).long().to(bins.device)
+        hist = wait(handle).long().to(bins.device)
         if int(hist[-1]):
             raise ValueError(f"hvd_topk split_reduce: the ranks sent tensors of different sizes under {key!r} "
                              f"({acc.numel()} elements on this rank); "
@@ -213,7 +214,7 @@ class SplitReduce:
         if phase is None:
             return Outcome(None, None)
         handle, acc, sel, nbytes = phase
-        values, indices = from_rows(mpi_ops.synchronize(handle), self.value_dtype or acc.dtype)
+        values, indices = from_rows(wait(handle), self.value_dtype or acc.dtype)
         n, at = acc.numel(), indices.to(acc.device)
         aggregate = torch.zeros(n + 1, dtype=acc.dtype, device=acc.device)
         aggregate[at] = values.to(device=acc.device, dtype=acc.dtype)              # pad rows: 0 at n

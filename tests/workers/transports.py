@@ -5,15 +5,19 @@ a caller does. Rank 1 poisons key "a" with a NaN at ``--nan-step``: that key's a
 on every rank and its residual is kept. ``forget()`` is called before the last step. Writes
 ``<out>/rank<r>.pt``: per transport and step and key, the aggregate, what left this rank (dense,
 float64), the gradient, the residual after the step, and ``Started.nbytes``.
+
+Last, ``collectives.wait`` on an allreduce that the last rank joins 1 s late: every rank records the
+wall and CPU seconds of its wait (a spinning wait would spend the whole second on the CPU).
 """
 import argparse
 import os
+import time
 
 import horovod.torch as hvd
 import torch
 
 from hvd_topk.transports import ARTopk, Dense, SparseAllgather, SplitReduce
-from hvd_topk.transports.collectives import Collectives, Reduction
+from hvd_topk.transports.collectives import Collectives, Reduction, wait
 from hvd_topk.transports.index_sets import IndexPipeline
 from hvd_topk.transports.leaders import StarLeaders
 from hvd_topk.transports.regions import Regions
@@ -84,6 +88,17 @@ def run(name):
     return records
 
 
+def late_wait(late_s=1.0):
+    """(wall s, this thread's CPU s) of wait() on an allreduce that the last rank starts late_s late."""
+    if hvd.rank() == hvd.size() - 1:
+        time.sleep(late_s)
+    handle = hvd.allreduce_async(torch.ones(4), name="late_wait")
+    wall, cpu = time.perf_counter(), time.thread_time()
+    assert torch.equal(wait(handle), torch.ones(4))
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
 result = {name: run(name) for name in NAMES}
 result["size"] = hvd.size()
+result["late_wait"] = late_wait()
 torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))
