@@ -270,7 +270,10 @@ def driver(a):
         t0 = time.perf_counter()
         try:
             sets = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"} if a.hosts else {}      # hierarchical's host sets
-            ddp_hooks.run(a, js, argv_of=worker_argv, env={"HOROVOD_CYCLE_TIME": a.cycle_ms, **sets})
+            # Horovod's Gloo waits --gloo-timeout too, as torch.distributed's does: at its default 30 s,
+            # three jobs across the loaded hosts aborted (bench/results/time_to_accuracy_digits_100mbit_2hosts)
+            env = {"HOROVOD_CYCLE_TIME": a.cycle_ms, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(a.gloo_timeout), **sets}
+            ddp_hooks.run(a, js, argv_of=worker_argv, env=env)
         finally:
             load.done.set()
         with open(js) as f:
