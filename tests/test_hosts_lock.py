@@ -2,10 +2,12 @@
 
 A real flock held by another process (no root, no hosts needed); the hosts themselves, held by a test
 module while another process tries to rebuild or delete them, are in tests/test_multihost.py."""
+import fcntl
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -57,11 +59,15 @@ def test_an_exclusive_holder_keeps_everyone_out_until_it_ends(other_holder):
     lock = HostsLock(path)
     t0 = time.monotonic()
     with pytest.raises(HostsBusy, match=f"cannot use them: .* pid {proc.pid}"):
-        lock.share(wait_s=1.0)
-    assert 1.0 <= time.monotonic() - t0 < 10 and lock.fd is None
-    proc.kill()
-    proc.wait()                                  # a holder that dies lets go with its descriptor
+        lock.share(wait_s=0.5)
+    assert time.monotonic() - t0 >= 0.5, "share() refused before its wait_s was over"
+    assert lock.fd is None                       # a refused lock holds nothing
+    ends = threading.Timer(0.5, proc.kill)       # a holder that dies lets go with its descriptor ...
+    ends.start()
+    lock.share(wait_s=10)                        # ... and share() waits for that instead of refusing
+    ends.join()
+    assert lock.mode == fcntl.LOCK_SH and [pid for pid, _ in holders(path)] == [os.getpid()]
     lock.exclusive("delete them")
-    assert [pid for pid, _ in holders(path)] == [os.getpid()]
+    assert lock.mode == fcntl.LOCK_EX
     lock.release()
     assert holders(path) == []

@@ -203,6 +203,11 @@ def down_all(state_dir=STATE_DIR, quiet=False):
         say("down: nothing was up")
 
 
+def lock_path(state_dir):
+    """The lock file of the hosts whose state is ``state_dir``: beside it, since down_all deletes it."""
+    return state_dir.rstrip("/") + ".lock"
+
+
 def _read_state(state_dir):
     try:
         with open(os.path.join(state_dir, "state.json")) as f:
@@ -265,7 +270,7 @@ class EmulatedHosts:
         self.hosts = [Host(i, state_dir) for i in range(1, n + 1)]
         self.brought_up = False      # whether up() built them (False: they were up already)
         self.daemons = set()         # pids of services started on the hosts (slurmd, ...): kept by kill_strays
-        self.lock = HostsLock(state_dir.rstrip("/") + ".lock")
+        self.lock = HostsLock(lock_path(state_dir))
 
     def __enter__(self):
         self.up()
@@ -471,7 +476,7 @@ def main(argv=None):
         print("hosts: can emulate hosts" if not missing else "hosts: missing: " + "; ".join(missing))
         return 0 if not missing else 1
     if argv[0] == "down":
-        held = holders(HostsLock(STATE_DIR.rstrip("/") + ".lock").path)
+        held = holders(lock_path(STATE_DIR))
         if held:
             print(f"hosts: not deleted: they are held by {describe(held)}", file=sys.stderr)
             return 1
