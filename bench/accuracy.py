@@ -20,8 +20,8 @@ import statistics
 import sys
 import tempfile
 
-from bench.infra.batch import run_batch
-from bench.infra.manifest import write_manifest
+from testbed.batch import run_batch
+from bench.manifest import write_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,7 +158,7 @@ EXAMPLES = {"digits": ("digits_cnn.py", CONFIGS, "test_accuracy"),
 
 def run_records(runs, args):
     """The JSON records of several runs, ``runs`` a list of (config, seed), made in one launch
-    (bench/infra/batch.py: each run still starts from its own seed, as in a job of its own).
+    (testbed/batch.py: each run still starts from its own seed, as in a job of its own).
 
     ``args``: np, example, and epochs + min_numel (digits) or steps, plus lm_layers and lm_width (lm).
     """

@@ -34,7 +34,7 @@ import time
 from hvd_topk.auto import DEFAULT_RATIOS
 
 from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, RESULTS, ROOT, TBF_BURST
-from bench.infra.manifest import write_manifest
+from bench.manifest import write_manifest
 from bench.job import job_env, namespace, preflight, recorded_command
 
 # label -> (the example's arguments, link): "limited" is --bandwidth, "unlimited" the bare loopback
@@ -51,7 +51,7 @@ COLUMNS = ["mode", "seed", "bandwidth", "test_acc", "link_bytes", "steps", "wall
 
 def run_one(label, seed, o):
     """One training run; returns its CSV row."""
-    from bench.infra.launch import run_job
+    from testbed.launch import run_job
 
     args, link = MODES[label]
     bandwidth = o.bandwidth if link == "limited" else "unlimited"
@@ -97,7 +97,7 @@ def fit_weight(points):
 
 
 def calibrate(o):
-    from bench.infra.launch import run_job
+    from testbed.launch import run_job
 
     records = {}
     for c in (1.0,) + CALIBRATION_RATIOS:

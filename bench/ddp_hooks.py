@@ -28,7 +28,7 @@ host's first rank at the two barriers, summed over the hosts (an allreduce), so 
 own; the barriers' few hundred bytes are counted with them. Step time: rank 0's wall time from
 ``zero_grad()`` to the end of ``step()``, median over all recorded steps.
 
-Ranks come from the launcher's environment (horovodrun/mpirun, as bench/infra/launch.py starts them,
+Ranks come from the launcher's environment (horovodrun/mpirun, as testbed/launch.py starts them,
 or torchrun); no Horovod collective is used.
 
     python -m bench.ddp_hooks --example digits --bandwidth 100mbit --rounds 20 \
@@ -320,7 +320,7 @@ def worker_argv(a, json_out, iface):
 def run(a, json_out, argv_of=worker_argv, env=None):
     """One job: 2+ ranks on this host in a fresh namespace (tbf on its lo), or on emulated hosts.
     ``argv_of(a, json_out, iface)``: the ranks' command line; ``env``: extra environment of the ranks."""
-    from bench.infra.launch import JobFailed, run_job
+    from testbed.launch import JobFailed, run_job
     from bench.job import namespace
 
     env = {"PYTHONPATH": ROOT, **(env or {})}
@@ -332,7 +332,7 @@ def run(a, json_out, argv_of=worker_argv, env=None):
             except JobFailed as e:
                 keep_output(a, e)
                 raise
-    from bench.infra.hosts import EmulatedHosts
+    from testbed.hosts import EmulatedHosts
 
     cluster = EmulatedHosts(a.hosts, rate=BANDWIDTHS[a.bandwidth])
     cluster.up(exclusive=True)       # alone: the measurement needs the link, and nobody may rebuild it meanwhile
@@ -358,7 +358,7 @@ def keep_output(a, failed):
 
 
 def driver(a):
-    from bench.infra.manifest import write_manifest
+    from bench.manifest import write_manifest
 
     command = "python -m bench.ddp_hooks " + shlex.join(sys.argv[1:])
     os.makedirs(a.out, exist_ok=True)
@@ -387,7 +387,7 @@ def add_job_args(p, master_port, gloo_timeout, timeout):
     group, the job's limit, and the worker's hidden ones. Shared with bench/time_to_accuracy.py."""
     p.add_argument("--bandwidth", default="100mbit", help=f"of {list(BANDWIDTHS)}: tbf on lo, or on every eth0")
     p.add_argument("--np", type=int, default=2, help="ranks on this host (without --hosts)")
-    p.add_argument("--hosts", type=int, default=0, help="emulated hosts (bench/infra/hosts.py); 0: this host")
+    p.add_argument("--hosts", type=int, default=0, help="emulated hosts (testbed/hosts.py); 0: this host")
     p.add_argument("--slots", type=int, default=2, help="ranks per emulated host")
     p.add_argument("--keep-hosts", action="store_true", help="leave emulated hosts this run built up")
     p.add_argument("--master-port", type=int, default=master_port)

@@ -20,9 +20,9 @@ import tempfile
 import time
 
 from bench.constants import ROOT
-from bench.infra.hosts import EmulatedHosts
-from bench.infra.launch import JobFailed, run_job
-from bench.infra.wire import Namespace, can_make_namespace
+from testbed.hosts import EmulatedHosts
+from testbed.launch import JobFailed, run_job
+from testbed.wire import Namespace, can_make_namespace
 
 EPOCH_LINE = re.compile(r"^\[0\]<stdout>:(epoch (\d+)/(\d+): .*)$")   # digits_cnn.py's progress, rank 0
 
@@ -34,7 +34,7 @@ def main():
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--across-hosts", action="store_true",
-                   help="root: run on 2 emulated hosts (bench/infra/hosts.py), half the ranks on each, and "
+                   help="root: run on 2 emulated hosts (testbed/hosts.py), half the ranks on each, and "
                         "count the bytes between them on their eth0")
     p.add_argument("--rate", default=None, help="--across-hosts: tbf rate of each host's eth0, e.g. 1gbit")
     args = p.parse_args()

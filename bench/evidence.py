@@ -1,7 +1,7 @@
 """The evidence grid's command line: real horovodrun jobs behind tbf-limited links; CSV, PNG plots and a report.
 
-Every job (``bench.infra.launch.run_job``, Gloo) runs inside a fresh network namespace of its own
-(``bench.infra.wire.Namespace``) whose loopback is limited by ``tc tbf`` to 100 Mbit/s or 1 Gbit/s, or
+Every job (``testbed.launch.run_job``, Gloo) runs inside a fresh network namespace of its own
+(``testbed.wire.Namespace``) whose loopback is limited by ``tc tbf`` to 100 Mbit/s or 1 Gbit/s, or
 left unlimited (MTU 9000; tbf burst 1mb and latency 100ms by default). Rank 0 of the example reads the
 loopback's kernel counters at every step boundary, so the link bytes are every rank's traffic together,
 headers included. Every job gets the same HOROVOD_CYCLE_TIME (20 ms by default), dense included. Parts:
@@ -56,7 +56,7 @@ import time
 
 from bench.constants import BANDWIDTHS, CYCLE_TIME_MS, MODES, RESULTS, TBF_BURST
 from bench.grid import EXAMPLES, FULL, QUICK, estimate_text, plan
-from bench.infra.manifest import write_manifest
+from bench.manifest import write_manifest
 from bench.job import Interrupted, control_plane, execute, idle_worker, on_sigterm, preflight
 from bench.report import build_outputs, fmt_number
 

@@ -1,6 +1,6 @@
 """communication='hierarchical' against the flat transports and dense Horovod, across 2 emulated hosts.
 
-2 hosts x 2 ranks (``bench/infra/hosts.py``: network namespaces joined by a bridge, each host's eth0
+2 hosts x 2 ranks (``testbed/hosts.py``: network namespaces joined by a bridge, each host's eth0
 limited by tbf to the link's rate), horovodrun with Gloo, ``HOROVOD_CYCLE_TIME=20``. Every mode trains
 its own copy of the wide digits CNN (6.33M parameters, same seed; ``--example lm``: the byte-level GPT
 of examples/char_lm.py, as bench/ddp_hooks.py trains both for DDP's rows) in one job; after a warm-up of each
@@ -16,7 +16,7 @@ hosts' deltas summed, over the steps, are every byte that crossed between the ho
 where a transfer that outlives its step lands in the next mode's window, are kept too: ``rounds_bytes``.)
 
 ``--launcher mpi``: mpirun instead, with Open MPI's shared-memory transport (vader) between the ranks
-of a host and TCP on eth0 between the hosts (``bench/infra/launch.py``, ``shared_memory``): Horovod's
+of a host and TCP on eth0 between the hosts (``testbed/launch.py``, ``shared_memory``): Horovod's
 CPU collectives then go through MPI, and hierarchical's dense reduce-scatter inside a host through
 memory, as on a real host, instead of Gloo's TCP over the loopback.
 
@@ -208,9 +208,9 @@ def report(rows_by_link, command, launcher="gloo", example="digits"):
 
 
 def driver(a):
-    from bench.infra.hosts import EmulatedHosts
-    from bench.infra.launch import run_job
-    from bench.infra.manifest import write_manifest
+    from testbed.hosts import EmulatedHosts
+    from testbed.launch import run_job
+    from bench.manifest import write_manifest
 
     command = "python -m bench.hierarchical " + shlex.join(sys.argv[1:])
     os.makedirs(a.out, exist_ok=True)

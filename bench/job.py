@@ -32,7 +32,7 @@ _NAMESPACES = itertools.count()
 
 def namespace(rate, burst):
     """A fresh namespace named after this process (``hvdtopk-ev<pid>-<n>``), so leftovers are traceable."""
-    from bench.infra.wire import Namespace
+    from testbed.wire import Namespace
     return Namespace(rate=rate, burst=burst, name=f"hvdtopk-ev{os.getpid()}-{next(_NAMESPACES)}")
 
 
@@ -46,7 +46,7 @@ def execute(run, o, unsupported):
 
     ``unsupported`` maps a mode label to the reason it was skipped; a job failing with a ValueError
     (or an argparse error) that names one of its mode's options adds its label there."""
-    from bench.infra.launch import JobFailed, run_job
+    from testbed.launch import JobFailed, run_job
 
     row = {**asdict(run), "run_id": run.run_id, "burst": o.burst, "status": "ok", "error": ""}
     if run.label in unsupported:
@@ -87,7 +87,7 @@ def relative(command):
 
 def recorded_command(env, prefix, ranks, argv):
     """The command line of a job as a report records it: environment, namespace prefix, launcher."""
-    from bench.infra.launch import launch_command
+    from testbed.launch import launch_command
 
     return relative(shlex.join([*(f"{k}={v}" for k, v in env.items()), *prefix, *launch_command(ranks, argv)]))
 
@@ -111,7 +111,7 @@ def tail_line(text, n=1500):
 def control_plane(ranks, bandwidth, cycle_ms, o):
     """Loopback bytes per second of a job whose ranks sit idle between two barriers (Horovod's
     background loop coordinating every HOROVOD_CYCLE_TIME with a small allreduce), all ranks together."""
-    from bench.infra.launch import run_job
+    from testbed.launch import run_job
 
     row = {"ranks": ranks, "bandwidth": bandwidth, "cycle_ms": cycle_ms, "idle_s": o.idle_seconds,
            "status": "ok", "error": ""}
@@ -136,7 +136,7 @@ def idle_worker(seconds, out, ops=30):
     import horovod.torch as hvd
     import torch
 
-    from bench.infra.wire import loopback_bytes
+    from testbed.wire import loopback_bytes
 
     hvd.init()
     hvd.allreduce(torch.zeros(1), name="idle.start")

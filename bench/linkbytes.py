@@ -1,7 +1,7 @@
 """Link bytes: what a scheme must put on the link (``theoretical_bytes``) and what one run measured.
 
 The measured side is the loopback's kernel counters, read by the example's rank 0 at every step
-boundary (``loopback_tx_bytes`` in examples/common.py, the counter ``bench.infra.wire.loopback_bytes``
+boundary (``loopback_tx_bytes`` in examples/common.py, the counter ``testbed.wire.loopback_bytes``
 reads); here they are cut to the measured steps (after the warm-up and auto's trial) and set against
 the payload the scheme must send.
 """
@@ -9,7 +9,7 @@ import statistics
 
 from hvd_topk.auto.costmodel import HIST_BYTES
 from hvd_topk.auto.plans import TRANSPORTS
-from hvd_topk.sparsify import k_for
+from hvd_topk.core.sparsify import k_for
 
 SCHEMES = ("dense", "fp16", "topkef", "artopk", "allgather", "split_reduce")
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 import unittest.mock
 
-from bench.infra.launch import JobFailed, run_job
+from testbed.launch import JobFailed, run_job
 
 # The tests of test_torch.py that build hvd.DistributedOptimizer (CPU ones; the GPU variants skip).
 OPTIMIZER_TESTS = ("test_broadcast_state", "test_broadcast_state_options", "test_broadcast_state_no_grad",

@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from bench.infra.manifest import write_manifest
+from bench.manifest import write_manifest
 from hvd_topk.auto import costmodel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

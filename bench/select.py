@@ -1,4 +1,4 @@
-"""Fast exact Top-K selection (hvd_topk.sparsify.topk_indices) against torch.topk and one x.abs() pass.
+"""Fast exact Top-K selection (hvd_topk.core.sparsify.topk_indices) against torch.topk and one x.abs() pass.
 
 For every size, dtype and ratio it times the three side by side in one run (interleaved repeats,
 median), checks that the index set equals torch.topk's, and measures the peak extra memory of each.
@@ -36,8 +36,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from hvd_topk import sparsify  # noqa: E402
-from hvd_topk.sparsify import k_for, topk_indices  # noqa: E402
+from hvd_topk.core import sparsify  # noqa: E402
+from hvd_topk.core.sparsify import k_for, topk_indices  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 COLUMNS = ["device", "dtype", "n", "ratio", "k", "ours_ms", "pass_ms", "topk_ms", "abs_ms", "topk_over_ours",
@@ -245,7 +245,7 @@ def main(argv=None):
         writer.writerows(rows)
     png_path = os.path.join(args.out, f"select_{args.device}.png")
     plot(rows, png_path)
-    from bench.infra.manifest import write_manifest
+    from bench.manifest import write_manifest
     write_manifest(args.out)
     print(f"wrote {csv_path} and {png_path}")
     return 0

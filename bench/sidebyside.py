@@ -59,7 +59,7 @@ def worker(a):
 
     import hvd_topk
     from hvd_topk import TopKEF
-    from bench.infra.wire import loopback_bytes
+    from testbed.wire import loopback_bytes
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from data import load_dataset
@@ -231,8 +231,8 @@ def report(results, command, pooled_results=()):
 
 
 def driver(a):
-    from bench.infra.launch import run_job
-    from bench.infra.manifest import write_manifest
+    from testbed.launch import run_job
+    from bench.manifest import write_manifest
     from bench.job import namespace
 
     # the command that makes the jobs (with --report-only pass the flags the jobs ran with: the report quotes it)

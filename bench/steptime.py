@@ -46,7 +46,7 @@ def worker(args):
 
     import hvd_topk
     from hvd_topk import TopKEF
-    from bench.infra.wire import loopback_bytes
+    from testbed.wire import loopback_bytes
 
     hvd.init()
     torch.set_num_threads(1)
@@ -88,8 +88,8 @@ def worker(args):
 
 
 def driver(args):
-    from bench.infra.launch import run_job
-    from bench.infra.wire import Namespace, can_make_namespace
+    from testbed.launch import run_job
+    from testbed.wire import Namespace, can_make_namespace
 
     modes = {m: MODES[m] for m in ["dense"] + [m for m in args.modes.split(",") if m and m != "dense"]}
     rows = {}
@@ -119,7 +119,7 @@ def driver(args):
         table[mode] = {"step_ms": t * 1e3, "step_vs_dense": t / dense_t, "bytes": b, "bytes_vs_dense": b / dense_b}
         print(f"| {mode:<24} | {t * 1e3:8.2f} | {t / dense_t:7.2f}x | {b:15,.0f} | {b / dense_b:13.4f}x |")
     if args.json_out:
-        from bench.infra.manifest import manifest
+        from bench.manifest import manifest
         with open(args.json_out, "w") as f:
             json.dump({**table, "manifest": manifest()}, f, indent=1)
 

@@ -258,7 +258,7 @@ class LoadSampler(threading.Thread):
 
 
 def driver(a):
-    from bench.infra.manifest import write_manifest
+    from bench.manifest import write_manifest
 
     command = "python -m bench.time_to_accuracy " + shlex.join(sys.argv[1:])
     os.makedirs(a.out, exist_ok=True)

@@ -33,7 +33,7 @@ import time
 import horovod.torch as hvd
 import torch
 
-import hvd_topk.stats
+import hvd_topk.step.stats
 
 __all__ = ["add_compression_args", "add_run_args", "check_compression_args", "hvd_topk_options",
            "loopback_tx_bytes", "RunLog"]
@@ -138,7 +138,7 @@ def hvd_topk_options(args):
 
 def loopback_tx_bytes():
     """Bytes sent on the loopback so far, by every process of this network namespace: the kernel's
-    counter in /proc/net/dev (the benchmarks read the same counter with bench/infra/wire.py)."""
+    counter in /proc/net/dev (the benchmarks read the same counter with testbed/wire.py)."""
     with open("/proc/net/dev") as f:
         for line in f:
             name, _, fields = line.partition(":")
@@ -252,7 +252,7 @@ class RunLog:
                 self.writer.add_scalar("train/loss", float(loss), self.step)
             if stats is not None:   # numbers only: a decision such as a chosen transport is a string
                 numbers = {k: v for k, v in stats.items() if isinstance(v, (bool, int, float))}
-                hvd_topk.stats.write_tensorboard(self.writer, numbers, self.step)
+                hvd_topk.step.stats.write_tensorboard(self.writer, numbers, self.step)
 
     def eval_due(self, epoch_end=False):
         """True when ``--eval-every`` says to evaluate now (every N steps; 0: at each epoch's end)."""

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import hvd_topk
-import hvd_topk.checkpoint
+import hvd_topk.step.checkpoint
 from common import RunLog, add_compression_args, add_run_args, check_compression_args, hvd_topk_options
 from hvd_topk import TopKEF
 from data import DATASETS, label_histogram, load_dataset, shard_partition
@@ -307,7 +307,7 @@ def save(model, opt, comp, epoch, step, why):
 
 def resume(model, opt, comp):
     """Load this rank's checkpoint if every rank has one: (epoch, step) to go on from, or None."""
-    mine = os.path.exists(hvd_topk.checkpoint.rank_path(args.checkpoint))
+    mine = os.path.exists(hvd_topk.step.checkpoint.rank_path(args.checkpoint))
     others = glob.glob(glob.escape(args.checkpoint) + ".rank*-of-*")   # any world size
     have, clash = hvd.allreduce(torch.tensor([float(mine), float(bool(others) and not mine)]),
                                 op=hvd.Sum, name="ckpt.have").tolist()

@@ -1,6 +1,6 @@
 """hvd_topk: Top-K gradient compression with error feedback for Horovod + PyTorch.
 
-Public names are imported lazily, so that ``hvd_topk.sparsify`` works without Horovod.
+Public names are imported lazily, so that ``hvd_topk.core.sparsify`` works without Horovod.
 """
 import importlib
 
@@ -8,7 +8,7 @@ __all__ = ["TopKEF", "DistributedOptimizer", "save_checkpoint", "load_checkpoint
 __version__ = "0.1.0"
 
 _PUBLIC = {"TopKEF": ".compression", "DistributedOptimizer": ".optimizer",
-           "save_checkpoint": ".checkpoint", "load_checkpoint": ".checkpoint",
+           "save_checkpoint": ".step.checkpoint", "load_checkpoint": ".step.checkpoint",
            "host_process_sets": ".transports.host_sets"}
 
 

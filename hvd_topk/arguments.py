@@ -1,7 +1,7 @@
 """What each front door accepts: one place for the argument checks of ``TopKEF`` and
 ``hvd_topk.DistributedOptimizer``.
 
-Every check raises ``ValueError`` naming the argument and the accepted values (``hvd_topk.validate``'s
+Every check raises ``ValueError`` naming the argument and the accepted values (``hvd_topk.core.validate``'s
 message shape), before anything collective starts, so a bad argument fails alike on every rank. The
 automatic choices (``communication='auto'``, ``adaptive_ratio``) are checked where they are built,
 in ``hvd_topk.auto``.
@@ -12,7 +12,7 @@ import torch
 from horovod.torch import mpi_ops
 from horovod.torch.mpi_ops import Average, Sum
 
-from .validate import check_choice, check_int, check_number
+from .core.validate import check_choice, check_int, check_number
 
 __all__ = ["check_topkef", "check_optimizer", "check_groups", "STOCK_COMMUNICATIONS", "COMMUNICATIONS",
            "COMPRESSES", "LEADERS", "SELECTIONS"]

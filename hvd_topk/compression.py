@@ -6,7 +6,7 @@ therefore runs one of hvd_topk's transports (``hvd_topk.transports``, the same c
 drives) with Horovod's public asynchronous collectives, named per parameter:
 
 - ``split_reduce`` (default) and ``allgather`` start their first collective in ``compress`` and hand
-  Horovod only a 4-element token (``hvd_topk.op_token``: Horovod's op, and a check that every rank
+  Horovod only a 4-element token (``hvd_topk.step.op_token``: Horovod's op, and a check that every rank
   keyed the gradient alike). Horovod calls every ``compress`` of a step before its first
   ``decompress``, so at the first ``decompress`` every rank has started the same first-phase
   collectives, and split_reduce runs its later phases for all tensors in one agreed (sorted) order:
@@ -39,10 +39,10 @@ from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
 from .arguments import STOCK_COMMUNICATIONS, check_topkef
-from .compressor_transports import CompressorTransports
-from .gradient_keys import ParameterKeys, SlotSequence
-from .memory import ResidualMemory, StepCommits
-from .sparsify import k_for, sq_norm_finite
+from .step.compressor_transports import CompressorTransports
+from .step.gradient_keys import ParameterKeys, SlotSequence
+from .core.memory import ResidualMemory, StepCommits
+from .core.sparsify import k_for, sq_norm_finite
 
 __all__ = ["TopKEF", "STOCK_COMMUNICATIONS"]
 

@@ -1,9 +1,9 @@
 """hvd_topk.DistributedOptimizer: Horovod's distributed optimizer with Top-K transports and DGC.
 
 Built like Horovod's own factory: a dynamic subclass of the user's optimizer class whose methods are
-Horovod's ``_DistributedOptimizer`` with the overrides of ``hvd_topk.optimizer_methods``. This module
+Horovod's ``_DistributedOptimizer`` with the overrides of ``hvd_topk.step.optimizer_methods``. This module
 checks the arguments (``hvd_topk.arguments``; the automatic ones: ``hvd_topk.auto``) and builds the
-step coordinator with its units (``hvd_topk.coordinator``).
+step coordinator with its units (``hvd_topk.step.coordinator``).
 """
 import warnings
 
@@ -11,17 +11,17 @@ from horovod.torch import mpi_ops
 from horovod.torch.mpi_ops import Average
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from . import elastic
+from .step import elastic
 from .arguments import check_optimizer
 from .auto import DEFAULT_WEIGHT, tuner_for
-from .bucket import GLOBAL_KEY, GlobalBucket
+from .step.bucket import GLOBAL_KEY, GlobalBucket
 from .compression import TopKEF
-from .coordinator import StepConfig, StepCoordinator, StepUnits
-from .dgc import MomentumCorrection
-from .memory import ResidualMemory
-from .optimizer_methods import OVERRIDES
-from .schedule import DensitySchedule
-from .stats import StepStats
+from .step.coordinator import StepConfig, StepCoordinator, StepUnits
+from .step.dgc import MomentumCorrection
+from .core.memory import ResidualMemory
+from .step.optimizer_methods import OVERRIDES
+from .step.schedule import DensitySchedule
+from .step.stats import StepStats
 from .transports import ARTopk, Dense, SparseAllgather, SplitReduce
 from .transports.collectives import Collectives, Reduction
 from .transports.hierarchical import hierarchical_or_flat
@@ -52,7 +52,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             densifies them and then compresses them like any gradient. With a ``process_set`` only its
             ranks communicate, and every rank counts within it; the others step on their own gradients,
             as in Horovod. The arguments after ``process_set`` are hvd_topk's and keyword-only.
-        momentum_correction: DGC momentum correction + factor masking (``hvd_topk.dgc``), for SGD with
+        momentum_correction: DGC momentum correction + factor masking (``hvd_topk.step.dgc``), for SGD with
             momentum > 0 in some group, else ValueError. Off by default: the user's momentum on the
             aggregate held accuracy and loss better at 8 ranks, IID and non-IID (docs/results.md).
         warmup_steps: DGC warm-up over this many steps, density ratio ** ((t+1)/(W+1)) then ratio.
@@ -146,7 +146,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                    schedule=DensitySchedule(compression.ratio, dense_steps, warmup_steps, warmup_epochs),
                    tuner=tuner, leader=leader, reduction=Reduction.of(op, gradient_predivide_factor),
                    value_dtype=value_dtype, process_set=process_set, budget=compression.budget)
-    elastic.register()                   # hvd.elastic.TorchState(optimizer=...) then uses hvd_topk.elastic
+    elastic.register()                   # hvd.elastic.TorchState(optimizer=...) then uses hvd_topk.step.elastic
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticOptimizer),
                dict(_DistributedOptimizer.__dict__, **OVERRIDES))
     return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,

@@ -2,10 +2,13 @@
 
     python scripts/draw_layers.py
 
-Each box is a file or package; a file imports only from its own layer and the layers below it, and
-only the optimizer's factory imports auto/ (tests/test_layout.py checks the imports against ``LAYERS``).
+Each box is a folder or file; a file imports only from its own layer and the layers below it, and
+only the optimizer's factory imports auto/. The layers are ``LAYERS`` in tests/test_layout.py, which
+checks the imports against them; this script reads them from there.
 """
+import importlib.util
 import os
+import sys
 
 import matplotlib
 
@@ -13,43 +16,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyBboxPatch  # noqa: E402
 
-# (layer title, [(box label, what it holds, its files under hvd_topk/), ...]), top to bottom
-LAYERS = [
-    ("front doors", [
-        ("compression.py  TopKEF", "Horovod's Compressor:\ncompressor_transports.py, op_token.py,\ngradient_keys.py",
-         ["compression.py", "compressor_transports.py", "op_token.py", "gradient_keys.py"]),
-        ("optimizer.py  DistributedOptimizer", "the factory; optimizer_methods.py\n(Horovod's overrides), arguments.py",
-         ["optimizer.py", "optimizer_methods.py", "arguments.py"]),
-    ]),
-    ("the optimizer's step", [
-        ("coordinator.py", "one synchronized step:\ndgc.py, schedule.py, bucket.py,\nupdate.py, stats.py",
-         ["coordinator.py", "dgc.py", "schedule.py", "bucket.py", "update.py", "stats.py"]),
-        ("auto/", "communication='auto', adaptive ratio:\ntuner, plans, trial, recheck,\ncostmodel, probe, measure",
-         ["auto/"]),
-        ("checkpoint.py, elastic.py", "per-rank files,\nelastic Horovod's handler", ["checkpoint.py", "elastic.py"]),
-    ]),
-    ("transports/  (one Transport protocol: base.py)", [
-        ("dense.py", "allreduce of\neverything", ["transports/dense.py", "transports/base.py",
-                                                  "transports/__init__.py"]),
-        ("artopk.py", "one leader's index set:\nleaders.py, index_sets.py",
-         ["transports/artopk.py", "transports/leaders.py", "transports/index_sets.py"]),
-        ("allgather.py", "every rank's\nown top-k", ["transports/allgather.py"]),
-        ("split_reduce.py", "owners sum regions,\nglobal top-k: regions.py",
-         ["transports/split_reduce.py", "transports/regions.py"]),
-        ("hierarchical.py", "dense in a host, split_reduce\nacross hosts: host_sets.py",
-         ["transports/hierarchical.py", "transports/host_sets.py"]),
-        ("collectives.py", "grouping, flags,\nagreement", ["transports/collectives.py"]),
-    ]),
-    ("core", [
-        ("memory.py", "residuals: error\nfeedback per rank", ["memory.py"]),
-        ("sparsify.py", "exact top-k,\nscatter, norms", ["sparsify.py"]),
-        ("wire.py", "sizes on the wire", ["wire.py"]),
-        ("validate.py", "argument checks'\nmessage shape", ["validate.py", "__init__.py"]),
-    ]),
-    ("Horovod 0.28.1, unpatched", [
-        ("horovod.torch", "allreduce, allgather, alltoall, reducescatter, broadcast (Gloo or MPI)", []),
-    ]),
-]
+
+def _layers():
+    """The layer list lives with its check, in tests/test_layout.py; this script only draws it."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    spec = importlib.util.spec_from_file_location("test_layout", os.path.join(root, "tests", "test_layout.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.join(root, "tests"))       # test_layout imports conftest's ROOT
+    spec.loader.exec_module(module)
+    return module.LAYERS
+
+
+LAYERS = _layers()
 COLOURS = ["#c6dbef", "#dadaeb", "#c7e9c0", "#fdd0a2", "#e0e0e0"]
 
 

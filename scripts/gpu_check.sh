@@ -3,7 +3,7 @@
 # bench.select on the GPU (ours against torch.topk, side by side in one run).
 #
 # Needs python3 with a CUDA build of torch, pytest and hypothesis (Horovod is not needed: the
-# selection, hvd_topk.sparsify, imports none). From the repository root:
+# selection, hvd_topk.core.sparsify, imports none). From the repository root:
 #   bash scripts/gpu_check.sh RESULTS_DIR
 # On a copy of the tree, set HVD_TOPK_COMMIT to the commit the copy was made from (its .git may be
 # missing or stale).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Emulated hosts on this machine, for multi-host runs without a cluster (bench/infra/hosts.py):
+# Emulated hosts on this machine, for multi-host runs without a cluster (testbed/hosts.py):
 #   bash scripts/hosts.sh up N [RATE]   N hosts node1..nodeN (10.77.0.1..N on eth0, sshd on each);
 #                                       RATE (e.g. 1gbit) limits every host's eth0 with tbf
 #   bash scripts/hosts.sh status        the hosts, their eth0 byte counters, what is wrong (exit 1)
@@ -14,7 +14,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # The module is stdlib only: the system's python3 will do before the venv exists.
 PY=${HVD_TOPK_VENV:-$ROOT/.venv}/bin/python
 [ -x "$PY" ] || PY=python3
-hosts() { PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m bench.infra.hosts "$@"; }
+hosts() { PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m testbed.hosts "$@"; }
 
 case "${1:-}" in
     run)

@@ -58,7 +58,7 @@ def hvd():
 @pytest.fixture
 def run_ranks(tmp_path):
     """Run a test worker on N real ranks; returns the per-rank result dicts saved by the worker."""
-    from bench.infra.launch import run_job
+    from testbed.launch import run_job
 
     def run(np, worker, *args, backend="gloo", timeout=240, prefix=(), out=None):
         out = out or tmp_path / f"job{len(list(tmp_path.iterdir()))}"
@@ -75,7 +75,7 @@ def run_ranks(tmp_path):
 # A launch costs seconds on a small machine, often more than the run it starts. A test declares the
 # runs it reads as ``Job`` values, in its parameters or in a ``jobs`` marker. After collection, the
 # selected tests' jobs are grouped by (module, ranks, backend) and each group runs in one launch
-# (bench/infra/batch.py), the first time a test asks for one of them; each test still asserts on its
+# (testbed/batch.py), the first time a test asks for one of them; each test still asserts on its
 # own jobs, so a failure names its test. A job that fails fails only the tests that read it.
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,7 @@ class SharedJobs:
         return [torch.load(self.out[j] / f"rank{r}.pt", weights_only=False) for r in range(j.np)]
 
     def _run(self, key):
-        from bench.infra.batch import run_batch
+        from testbed.batch import run_batch
 
         todo = [j for j in self.groups[key] if j not in self.out and j not in self.failed]
         for j in todo:              # files read from a job with another rank count: that group first

@@ -17,7 +17,7 @@ from hvd_topk.auto.plans import (TRANSPORTS, Costs, HostLink, costs_from_data, c
                                  plan_transports, tensor_seconds, trial_plans)
 from hvd_topk.auto.recheck import choose_ratio
 from hvd_topk.auto.tuner import AutoTuner
-from hvd_topk.sparsify import topk_energies
+from hvd_topk.core.sparsify import topk_energies
 
 from conftest import assert_identical_across_ranks, job
 

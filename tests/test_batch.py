@@ -1,4 +1,4 @@
-"""bench/infra/batch.py: several scripts in turn in one 2-rank job, as the shared jobs of the suite run.
+"""testbed/batch.py: several scripts in turn in one 2-rank job, as the shared jobs of the suite run.
 
 One call holds a script that succeeds, one that fails on one rank while the other waits in a
 collective, one that hangs in a collective, and successes between them: each entry's outcome is its
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from bench.infra.batch import run_batch
-from bench.infra.launch import JobFailed
+from testbed.batch import run_batch
+from testbed.launch import JobFailed
 from conftest import ROOT
 
 pytestmark = pytest.mark.multirank

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bench.infra.batch import run_batch
+from testbed.batch import run_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "char_lm.py")

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from bench.infra.launch import JobFailed
+from testbed.launch import JobFailed
 from conftest import assert_identical_across_ranks, job
 
 SCENARIOS = {"sparse": [], "sparse_as_dense": ["--sparse-as-dense"], "uneven": [], "gan": [],
@@ -49,7 +49,7 @@ def test_compressed_keeps_ranks_identical(results, jobs):
 
 
 # sync_twice: Horovod compresses every gradient again, in a per-process order, but they are the very
-# tensors of the step before, which keep their slots (hvd_topk/gradient_keys.py)
+# tensors of the step before, which keep their slots (hvd_topk/step/gradient_keys.py)
 @pytest.mark.parametrize("class_job", [contract_job(scenario, "topkef_class")
                                        for scenario in ["sparse", "sparse_as_dense", "schedule", "sync_twice"]],
                          ids=["sparse", "sparse_as_dense", "schedule", "sync_twice"])

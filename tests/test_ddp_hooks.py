@@ -73,7 +73,7 @@ def test_bad_arguments_name_the_flag(capsys, argv, match):
 
 
 def test_a_failed_job_leaves_its_whole_output_in_the_results_folder(tmp_path):
-    from bench.infra.launch import JobFailed
+    from testbed.launch import JobFailed
 
     output = "[0]<stderr>: the first error\n" + "x" * 10000 + "\n[3]<stderr>: the last line\n"
     ddp_hooks.keep_output(argparse.Namespace(out=str(tmp_path / "res")), JobFailed("job exited with 1", output))

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from bench.infra.launch import launch_command
+from testbed.launch import launch_command
 from conftest import ROOT, WORKERS
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.infra.batch import run_batch
-from bench.infra.launch import run_job
+from testbed.batch import run_batch
+from testbed.launch import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -19,8 +19,8 @@ import torch.nn as nn
 
 import hvd_topk
 from conftest import ROOT, WORKERS, OutOf, assert_identical_across_ranks, job
-from hvd_topk.checkpoint import CheckpointError
-from bench.infra.launch import JobFailed, run_job
+from hvd_topk.step.checkpoint import CheckpointError
+from testbed.launch import JobFailed, run_job
 
 EXIT_LIMIT_S = 60          # every rank gone within this many seconds of one rank's death
 

@@ -1,4 +1,4 @@
-"""bench/infra/hosts_lock.py: a second user of the emulated hosts is told who holds them, at once.
+"""testbed/hosts_lock.py: a second user of the emulated hosts is told who holds them, at once.
 
 A real flock held by another process (no root, no hosts needed); the hosts themselves, held by a test
 module while another process tries to rebuild or delete them, are in tests/test_multihost.py."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from bench.infra.hosts_lock import HostsBusy, HostsLock, holders
+from testbed.hosts_lock import HostsBusy, HostsLock, holders
 
 HOLD = """
 import fcntl, os, sys, time

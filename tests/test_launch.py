@@ -1,7 +1,7 @@
-"""bench/infra/launch.py's command lines (no job is started)."""
+"""testbed/launch.py's command lines (no job is started)."""
 import pytest
 
-from bench.infra.launch import launch_command
+from testbed.launch import launch_command
 
 HOSTS = "10.77.0.1:2,10.77.0.2:2"
 

@@ -1,8 +1,9 @@
-"""The house stays readable: hvd_topk/'s imports follow the layers drawn in docs/img/layers.png
-(scripts/draw_layers.py), only the optimizer's factory reaches into auto/, no file exceeds 300 lines
-and no class or function exceeds 120. Pure reading of the source; nothing is imported from hvd_topk."""
+"""The house stays readable: hvd_topk/'s layers are folders (``LAYERS`` below, drawn in
+docs/img/layers.png by scripts/draw_layers.py), imports go only to the same layer or below, only the
+optimizer's factory reaches into auto/, the package root holds only the front doors, no file exceeds
+300 lines and no class or function exceeds 120. Pure reading of the source; nothing is imported from
+hvd_topk."""
 import ast
-import importlib.util
 import os
 
 import pytest
@@ -12,13 +13,46 @@ from conftest import ROOT
 PACKAGE = os.path.join(ROOT, "hvd_topk")
 MAX_FILE_LINES = 300
 MAX_UNIT_LINES = 120
+MAX_ROOT_FILES = 6
+
+# The layers, top to bottom: (title, [(box label, what it holds, its files or folders under hvd_topk/)]).
+# A file imports only from its own layer and the layers below it. scripts/draw_layers.py draws this list.
+LAYERS = [
+    ("front doors (the package root)", [
+        ("compression.py  TopKEF", "Horovod's Compressor", ["compression.py"]),
+        ("optimizer.py  DistributedOptimizer", "the factory; arguments.py:\nthe front doors' checks",
+         ["optimizer.py", "arguments.py", "__init__.py"]),
+    ]),
+    ("the step", [
+        ("step/", "one synchronized step of either door:\ncoordinator, Horovod's overrides, DGC,\n"
+                  "schedule, stats, checkpoints, elastic,\nTopKEF's keys and token", ["step/"]),
+        ("auto/", "communication='auto', adaptive ratio:\ntuner, plans, trial, recheck,\ncostmodel, probe, measure",
+         ["auto/"]),
+    ]),
+    ("transports/  (one Transport protocol: base.py)", [
+        ("dense.py", "allreduce of\neverything", ["transports/dense.py", "transports/base.py",
+                                                  "transports/__init__.py"]),
+        ("artopk.py", "one leader's index set:\nleaders.py, index_sets.py",
+         ["transports/artopk.py", "transports/leaders.py", "transports/index_sets.py"]),
+        ("allgather.py", "every rank's\nown top-k", ["transports/allgather.py"]),
+        ("split_reduce.py", "owners sum regions,\nglobal top-k: regions.py",
+         ["transports/split_reduce.py", "transports/regions.py"]),
+        ("hierarchical.py", "dense in a host, split_reduce\nacross hosts: host_sets.py",
+         ["transports/hierarchical.py", "transports/host_sets.py"]),
+        ("collectives.py", "grouping, flags,\nagreement", ["transports/collectives.py"]),
+    ]),
+    ("core/", [
+        ("core/", "residuals (memory.py), exact top-k (sparsify.py),\nsizes on the wire (wire.py), "
+                  "argument checks (validate.py)", ["core/"]),
+    ]),
+    ("Horovod 0.28.1, unpatched", [
+        ("horovod.torch", "allreduce, allgather, alltoall, reducescatter, broadcast (Gloo or MPI)", []),
+    ]),
+]
 
 
 def _layers():
-    spec = importlib.util.spec_from_file_location("draw_layers", os.path.join(ROOT, "scripts", "draw_layers.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.LAYERS
+    return LAYERS
 
 
 def _sources():
@@ -29,10 +63,16 @@ def _sources():
 
 
 def _layer_of(rel, placed):
-    """The layer of a file under hvd_topk/: its own entry, else its package's ("auto/")."""
+    """The layer of a file under hvd_topk/: its own entry, else its folder's ("auto/")."""
     if rel in placed:
         return placed[rel]
     return placed.get(rel.split(os.sep)[0] + "/")
+
+
+def test_the_package_root_holds_only_the_front_doors():
+    root_files = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
+    assert len(root_files) <= MAX_ROOT_FILES, f"hvd_topk/ holds {root_files}: move the step's files to step/, " \
+                                              "the core's to core/"
 
 
 def _targets(rel, node):
@@ -60,7 +100,7 @@ def _relative_imports(rel):
 def test_every_file_has_its_place_in_the_drawing():
     placed = {f: i for i, (_, boxes) in enumerate(_layers()) for _, _, files in boxes for f in files}
     missing = [rel for rel in _sources() if _layer_of(rel, placed) is None]
-    assert not missing, f"add these to scripts/draw_layers.py's LAYERS and redraw: {missing}"
+    assert not missing, f"add these to LAYERS (tests/test_layout.py) and redraw with scripts/draw_layers.py: {missing}"
 
 
 def test_imports_go_to_the_same_layer_or_below():

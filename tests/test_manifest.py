@@ -1,7 +1,7 @@
-"""bench.infra.manifest: the commit a results folder names, in a checkout and in a copy without .git."""
+"""bench.manifest: the commit a results folder names, in a checkout and in a copy without .git."""
 import re
 
-from bench.infra import manifest
+from bench import manifest
 
 
 def test_checkout_names_its_head():

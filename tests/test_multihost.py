@@ -1,6 +1,6 @@
 """Multi-host jobs for real: horovodrun (Gloo) and mpirun (MPI) across 2 emulated hosts.
 
-The hosts (bench/infra/hosts.py, `scripts/hosts.sh`) are network namespaces with hostnames node1 and
+The hosts (testbed/hosts.py, `scripts/hosts.sh`) are network namespaces with hostnames node1 and
 node2, an eth0 each (10.77.0.1, 10.77.0.2) joined by a bridge, and an sshd each. Jobs are launched on
 node1 with ``-H 10.77.0.1:2,10.77.0.2:2``: ranks 0-1 start on node1, ranks 2-3 on node2 through ssh,
 and every byte between them crosses eth0. One fixture brings the hosts up for the module and deletes
@@ -24,9 +24,9 @@ import psutil
 import pytest
 import torch
 
-import bench.infra.hosts as hosts_module
-from bench.infra.hosts import EmulatedHosts, cannot_make_namespaces
-from bench.infra.launch import JobFailed, run_job
+import testbed.hosts as hosts_module
+from testbed.hosts import EmulatedHosts, cannot_make_namespaces
+from testbed.launch import JobFailed, run_job
 from conftest import ROOT, WORKERS, assert_identical_across_ranks
 from test_faults import EXIT_LIMIT_S, _alive, _wait_gone
 from test_slurm import JOB_TIMEOUT as SLURM_JOB_TIMEOUT

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from bench.infra.launch import JobFailed
+from testbed.launch import JobFailed
 
 from conftest import assert_identical_across_ranks, job
 

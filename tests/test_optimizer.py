@@ -7,9 +7,9 @@ import torch.nn as nn
 
 import hvd_topk
 from hvd_topk import TopKEF
-from hvd_topk.sparsify import k_for
+from hvd_topk.core.sparsify import k_for
 
-from bench.infra.launch import JobFailed
+from testbed.launch import JobFailed
 
 from conftest import (OutOf, assert_identical_across_ranks, assert_resume_bit_identical, assert_skipped_everywhere,
                       job, resume_jobs)
@@ -208,7 +208,7 @@ def test_local_clipping_caps_each_gradient_norm(hvd):
 def test_stats_and_tensorboard_writer(hvd, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    from hvd_topk.stats import write_tensorboard
+    from hvd_topk.step.stats import write_tensorboard
 
     def one_step(communication):
         model = nn.Linear(100, 50, bias=False)
@@ -366,7 +366,7 @@ def test_groups_give_the_ungrouped_result_through_horovods_grouped_collectives(r
     # Horovod's own timeline names what it ran: every gradient of the grouped run went through a
     # grouped collective; the plain run's per-tensor names do not appear.
     names = set(re.findall(r'"args": \{"name": "([^"]+)"', timeline.read_text()))
-    others = (".indices.", ".groups", "hvd_topk.update.finite")   # index sets, set-up, a flag
+    others = (".indices.", ".groups", "hvd_topk.step.update.finite")   # index sets, set-up, a flag
     ours = {n for n in names if "hvd_topk" in n and not any(o in n for o in others)}
     assert ours and all(re.match(r"grouped_(allreduce|allgather)\.hvd_topk\.opt0\.group\.|"
                                  r"allreduce\.hvd_topk\.values\.__global__", n) for n in ours), sorted(ours)

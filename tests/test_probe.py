@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from bench.infra.launch import run_job
+from testbed.launch import run_job
 from hvd_topk.auto.probe import DEFAULT_SIZES, Probe, fit_line, to_alpha_beta
-from bench.infra.wire import Namespace, can_make_namespace
+from testbed.wire import Namespace, can_make_namespace
 
 from conftest import ROOT, WORKERS
 

@@ -1,11 +1,11 @@
-"""Property tests of the fast exact Top-K selection (hvd_topk.sparsify.topk_indices) against torch.topk."""
+"""Property tests of the fast exact Top-K selection (hvd_topk.core.sparsify.topk_indices) against torch.topk."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvd_topk import sparsify
-from hvd_topk.sparsify import topk_indices
+from hvd_topk.core import sparsify
+from hvd_topk.core.sparsify import topk_indices
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 KINDS = ["normal", "cauchy", "few_values", "zeros", "outlier", "denormal", "negative", "sparse",

@@ -6,7 +6,7 @@ import torch
 
 from hvd_topk import TopKEF
 from hvd_topk.compression import STOCK_COMMUNICATIONS
-from hvd_topk.sparsify import k_for
+from hvd_topk.core.sparsify import k_for
 
 SPARSE = [c for c in STOCK_COMMUNICATIONS if c != "dense"]
 
@@ -237,7 +237,7 @@ def test_state_dict_roundtrip_continues_identically(hvd, communication):
 
 def test_index_pipeline_shares_sets_at_flush_and_refuses_a_checkpoint_mid_step(hvd):
     from hvd_topk.transports.index_sets import IndexPipeline
-    from hvd_topk.sparsify import topk_indices
+    from hvd_topk.core.sparsify import topk_indices
     pipe = IndexPipeline("test.pipe")
     acc = torch.randn(100)
     sent = pipe.current("w", acc, 5, leader=0)          # first step: the evenly spaced set
@@ -271,7 +271,7 @@ def reduced_token(tokens, op):
 @pytest.mark.parametrize("size", [2, 3, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_token_reads_horovods_op_and_accepts_agreeing_keys(size, dtype):
-    from hvd_topk.op_token import OpToken
+    from hvd_topk.step.op_token import OpToken
     like = torch.zeros(1, dtype=dtype)
     tokens = [OpToken(_Ranks(size, r)).make("fc1.weight", like) for r in range(size)]
     assert OpToken(_Ranks(size)).average(reduced_token(tokens, "average"), "fc1.weight") is True
@@ -280,7 +280,7 @@ def test_token_reads_horovods_op_and_accepts_agreeing_keys(size, dtype):
 
 @pytest.mark.parametrize("op", ["average", "sum"])
 def test_token_refuses_ranks_that_keyed_a_gradient_differently(op):
-    from hvd_topk.op_token import OpToken, fingerprint
+    from hvd_topk.step.op_token import OpToken, fingerprint
     keys = [0, 1, 2, 3]                                   # positional keys: every rank another slot
     assert len({fingerprint(k) for k in keys}) > 1
     like = torch.zeros(1)
@@ -291,7 +291,7 @@ def test_token_refuses_ranks_that_keyed_a_gradient_differently(op):
 
 
 def test_token_refuses_a_reduction_that_is_neither_sum_nor_average():
-    from hvd_topk.op_token import OpToken
+    from hvd_topk.step.op_token import OpToken
     like = torch.zeros(1)
     tokens = [OpToken(_Ranks(2, r)).make("w", like) for r in range(2)]
     adasum_like = torch.tensor([1.25, 0.75, 5.0, 25.0])   # Adasum of [1,1,..] and [1,0,..]-like vectors
@@ -305,7 +305,7 @@ def test_token_refuses_a_reduction_that_is_neither_sum_nor_average():
 def test_token_reduced_over_another_process_set_names_process_set(op, members):
     """Horovod reduced over some of TopKEF's 4 ranks only (the optimizer has a process set TopKEF was
     not given): every rank that reduced it raises, naming process_set, not op."""
-    from hvd_topk.op_token import OpToken
+    from hvd_topk.step.op_token import OpToken
     like = torch.zeros(1)
     reduced = reduced_token([OpToken(_Ranks(4, r)).make("w", like) for r in members], op)
     for r in members:

@@ -13,7 +13,7 @@ JOBS = [job(np, "transports.py", "--nan-step", NAN_STEP) for np in (2, 3)]
 
 
 def max_nbytes(name, n, k, ranks):
-    """What ``start`` may hand the collectives: values are float32, indices int32 (hvd_topk.wire)."""
+    """What ``start`` may hand the collectives: values are float32, indices int32 (hvd_topk.core.wire)."""
     return {"dense": 4 * n,
             "artopk": 4 * (k + 1),                       # k values + the finite flag
             "allgather": 4 * (k + 1) + 4 * k,            # values + flag, and their indices

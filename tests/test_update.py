@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import hvd_topk
 from hvd_topk import TopKEF
-from hvd_topk.sparsify import k_for
+from hvd_topk.core.sparsify import k_for
 
 from conftest import (assert_identical_across_ranks, assert_resume_bit_identical, assert_skipped_everywhere, job,
                       resume_jobs)

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from bench.infra.batch import run_batch
-from bench.infra.wire import Namespace, can_make_namespace
+from testbed.batch import run_batch
+from testbed.wire import Namespace, can_make_namespace
 
 from conftest import ROOT, WORKERS
 

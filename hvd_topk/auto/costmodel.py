@@ -31,8 +31,8 @@ With one worker there is nothing to communicate and every time is 0.
 """
 import math
 
-from ..validate import check_int, check_number
-from ..wire import HIST_BYTES, INDEX_BYTES
+from ..core.validate import check_int, check_number
+from ..core.wire import HIST_BYTES, INDEX_BYTES
 
 __all__ = ["COLLECTIVES", "HIST_BYTES", "predict", "choose", "crossover_density"]
 

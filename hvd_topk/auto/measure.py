@@ -9,7 +9,7 @@ import statistics
 import torch
 from horovod.torch import mpi_ops
 
-from ..sparsify import k_for, topk_indices
+from ..core.sparsify import k_for, topk_indices
 from ..transports.collectives import agree
 
 __all__ = ["HorovodWorld", "time_compression"]

@@ -32,7 +32,7 @@ import math
 from typing import NamedTuple, Optional
 
 from . import costmodel
-from ..wire import INDEX_BYTES
+from ..core.wire import INDEX_BYTES
 
 __all__ = ["TRANSPORTS", "HIERARCHICAL", "TRIAL_SPAN", "HostLink", "Costs", "transports_of", "tensor_seconds",
            "hierarchical_seconds", "plan_transports", "plan_seconds", "trial_plans", "uniform_plan", "plan_name",

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..transports.collectives import agree
-from ..validate import check_choice, check_int, check_number
+from ..core.validate import check_choice, check_int, check_number
 from .plans import HostLink
 
 __all__ = ["DEFAULT_SIZES", "DEFAULT_REPEATS", "DEFAULT_MAX_BYTES", "ProbeResult", "Probe",

@@ -37,8 +37,8 @@ from .plans import (Costs, costs_from_data, costs_to_data, fitted_link, link_fig
 from .probe import Probe, probe_hosts
 from .recheck import DEFAULT_WEIGHT, candidate_ratios, choose_ratio
 from .trial import TRIAL_MARGIN
-from ..sparsify import k_for, topk_energies
-from ..validate import check_int, check_number
+from ..core.sparsify import k_for, topk_energies
+from ..core.validate import check_int, check_number
 
 __all__ = ["AutoTuner", "tuner_for"]
 

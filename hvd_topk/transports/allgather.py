@@ -8,8 +8,8 @@ grow with the number of ranks: it receives (P - 1) * k pairs.
 import torch
 
 from .collectives import finite_flag, flag_raised
-from ..sparsify import sq_norm_finite, topk_indices
-from ..wire import INDEX_BYTES
+from ..core.sparsify import sq_norm_finite, topk_indices
+from ..core.wire import INDEX_BYTES
 from .base import Outcome, Started
 
 __all__ = ["SparseAllgather"]

@@ -11,7 +11,7 @@ Horovod's own.
 import torch
 
 from .collectives import finite_flag, flag_raised
-from ..sparsify import scatter_dense, sq_norm_finite
+from ..core.sparsify import scatter_dense, sq_norm_finite
 from .base import Outcome, Started
 
 __all__ = ["ARTopk"]

@@ -5,7 +5,7 @@ For tensors never compressed (1-D, small, integer) and for sparse ones at densit
 sending, and no flag is appended: a non-finite rank shows in the sum, read after (identical on all
 ranks). Everything is sent, so the residual is flushed (``sent`` None).
 """
-from ..sparsify import sq_norm_finite
+from ..core.sparsify import sq_norm_finite
 from .base import Outcome, Started
 
 __all__ = ["Dense"]

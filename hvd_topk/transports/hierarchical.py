@@ -33,7 +33,7 @@ import torch
 from horovod.torch import mpi_ops
 
 from .collectives import Collectives, wait
-from ..sparsify import sq_norm_finite
+from ..core.sparsify import sq_norm_finite
 from .base import Outcome, Started
 from .host_sets import resolve
 from .split_reduce import SplitReduce, from_rows, to_rows

@@ -17,7 +17,7 @@ import zlib
 import torch
 from horovod.torch import mpi_ops
 
-from ..sparsify import spread_indices, topk_indices
+from ..core.sparsify import spread_indices, topk_indices
 from .collectives import wait
 
 __all__ = ["IndexPipeline", "PLAN_HEADER"]

@@ -30,8 +30,8 @@ from horovod.torch import mpi_ops
 
 from .collectives import wait
 from .regions import Regions
-from ..sparsify import sq_norm_finite, topk_indices
-from ..wire import HIST_BINS, HIST_BYTES, INDEX_BYTES
+from ..core.sparsify import sq_norm_finite, topk_indices
+from ..core.wire import HIST_BINS, HIST_BYTES, INDEX_BYTES
 from .base import Outcome, Started
 
 __all__ = ["SplitReduce", "HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "senders_rows",

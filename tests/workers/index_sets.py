@@ -14,7 +14,7 @@ import torch
 
 from hvd_topk.transports.index_sets import IndexPipeline
 from hvd_topk.transports.leaders import star_leader
-from hvd_topk.sparsify import topk_indices
+from hvd_topk.core.sparsify import topk_indices
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

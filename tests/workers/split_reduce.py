@@ -12,7 +12,7 @@ import horovod.torch as hvd
 import torch
 
 import hvd_topk
-from hvd_topk.sparsify import k_for
+from hvd_topk.core.sparsify import k_for
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

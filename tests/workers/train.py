@@ -9,14 +9,14 @@ import sys
 import time
 
 # Run as a script, so only tests/workers/ is on sys.path: the loopback counters are the repository's
-# bench/infra tooling, not part of the installed package.
+# testbed/ tooling, not part of the installed package.
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from bench.infra.wire import loopback_bytes  # noqa: E402
+from testbed.wire import loopback_bytes  # noqa: E402
 from hvd_topk import TopKEF  # noqa: E402
 
 p = argparse.ArgumentParser()

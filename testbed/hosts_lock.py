@@ -13,7 +13,7 @@ hosts of another rate. Now the second comer gets ``HostsBusy`` at once, naming t
 
 The lock is an flock(2) on an open file: it goes with its holder, so a driver that dies never leaves
 the hosts locked, and its ranks (other processes, which do not inherit the descriptor) are not holders.
-Stdlib only, like bench/infra/hosts.py.
+Stdlib only, like testbed/hosts.py.
 """
 import fcntl
 import os

@@ -16,9 +16,9 @@ horovodrun and mpirun call) to use it for 10.77.0.* without host-key checks; it 
 Stdlib only, so that scripts/hosts.sh works before the project's venv exists. Needs root, iproute2,
 util-linux (nsenter, unshare) and openssh-server (installed by scripts/install.sh).
 
-    python -m bench.infra.hosts up 2 1gbit     # or: bash scripts/hosts.sh up 2 1gbit
-    python -m bench.infra.hosts status
-    python -m bench.infra.hosts down
+    python -m testbed.hosts up 2 1gbit     # or: bash scripts/hosts.sh up 2 1gbit
+    python -m testbed.hosts status
+    python -m testbed.hosts down
 """
 import fcntl
 import json
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from bench.infra.hosts_lock import HostsBusy, HostsLock, describe, holders
+from testbed.hosts_lock import HostsBusy, HostsLock, describe, holders
 
 __all__ = ["HostsUnavailable", "HostsBusy", "cannot_make_namespaces", "missing_requirements", "Host", "EmulatedHosts",
            "down_all", "main"]
@@ -217,7 +217,7 @@ def _read_state(state_dir):
 
 
 SSHD_CONFIG = """\
-# sshd of emulated host {name} (bench/infra/hosts.py)
+# sshd of emulated host {name} (testbed/hosts.py)
 ListenAddress {addr}
 Port 22
 HostKey {state}/ssh_host_ed25519_key
@@ -235,7 +235,7 @@ MaxSessions 200
 """
 
 SSH_CLIENT_DROPIN = """\
-# hvd_topk emulated hosts (bench/infra/hosts.py, scripts/hosts.sh): root ssh between the hosts'
+# hvd_topk emulated hosts (testbed/hosts.py, scripts/hosts.sh): root ssh between the hosts'
 # private addresses with a key made for them. Removed by `scripts/hosts.sh down`.
 Host {subnet}.*
     User root
@@ -253,7 +253,7 @@ Host {subnet}.*
 class EmulatedHosts:
     """N emulated hosts (see the module docstring); ``up()``/``close()`` or a ``with`` block.
 
-    Between ``up()`` and ``close()`` this process holds them (bench/infra/hosts_lock.py): nobody else
+    Between ``up()`` and ``close()`` this process holds them (testbed/hosts_lock.py): nobody else
     rebuilds or deletes them meanwhile, and where that is what this one needs, ``HostsBusy`` says who
     holds them.
 

@@ -11,7 +11,7 @@ A failing entry ends the job (``os._exit(1)``): the other ranks may wait in its 
 ending the job frees them. Marks written before and after each entry tell the launcher which entry
 failed; ``run_batch`` reports that one as failed and starts a new job for the entries after it.
 
-    python bench/infra/batch.py PLAN.json   # what run_batch launches; PLAN: {"marks", "timeout_each", "entries"}
+    python testbed/batch.py PLAN.json   # what run_batch launches; PLAN: {"marks", "timeout_each", "entries"}
 """
 import contextlib
 import faulthandler
@@ -94,7 +94,7 @@ def run_batch(np, entries, timeout_each=240, **launch):
         job it failed in. An entry after a failed one runs in the next job; a job that fails before
         its first entry starts fails every entry it held.
     """
-    from bench.infra.launch import JobFailed, run_job
+    from testbed.launch import JobFailed, run_job
 
     outcome = [None] * len(entries)
     pending = list(range(len(entries)))

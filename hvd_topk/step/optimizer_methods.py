@@ -3,7 +3,7 @@ overrides (``OVERRIDES``), in Horovod's style (``super(self.__class__, self)``).
 
 The one extension point is ``_allreduce_grad_async(p)``: it returns a *callable* handle (Horovod's
 ``synchronize`` calls it) that finishes our transport and returns the aggregated dense gradient. The
-step itself is ``hvd_topk.coordinator.StepCoordinator`` (``self._hvd_topk``). Horovod is not edited or
+step itself is ``hvd_topk.step.coordinator.StepCoordinator`` (``self._hvd_topk``). Horovod is not edited or
 patched.
 """
 import time
@@ -17,7 +17,7 @@ from horovod.torch.optimizer import _DistributedOptimizer
 
 from .bucket import GLOBAL_KEY
 from .checkpoint import STATE_KEY, check_loadable, coordinator_state, load_coordinator_state
-from .transports.collectives import Reduction
+from ..transports.collectives import Reduction
 from .update import update_step
 
 __all__ = ["OVERRIDES"]
@@ -188,7 +188,7 @@ def _set_epoch(self, epoch):
 
 
 def _stats(self):
-    """Figures of the last synchronized step (``hvd_topk.stats.StepStats``), the residual norm, the
+    """Figures of the last synchronized step (``hvd_topk.step.stats.StepStats``), the residual norm, the
     ratio in use and, with communication='auto', the probed costs and how many tensors use each
     transport."""
     state = self._hvd_topk

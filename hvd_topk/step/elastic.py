@@ -27,7 +27,7 @@ from horovod.torch.functions import broadcast_object, broadcast_optimizer_state
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from .checkpoint import STATE_KEY, load_coordinator_state
-from .memory import StepCommits
+from ..core.memory import StepCommits
 
 __all__ = ["ElasticOptimizer", "TopKStateHandler", "register"]
 

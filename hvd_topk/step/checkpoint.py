@@ -221,7 +221,7 @@ def check_loadable(c, state):
 
 def load_coordinator_state(c, state, check=True):
     """Restore what ``coordinator_state`` returned on this rank (``check=False``: from an elastic commit,
-    whatever the world size now: see ``hvd_topk.elastic``)."""
+    whatever the world size now: see ``hvd_topk.step.elastic``)."""
     if check:
         check_loadable(c, state)
     c.step = state["step"]

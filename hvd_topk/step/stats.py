@@ -7,7 +7,7 @@ class StepStats:
     """Counts one step as it happens; ``last()`` gives the finished step's figures.
 
     bytes_sent: payload this rank hands to the collectives (values, flags, indices; headers and the
-    collective's own fan-out excluded: the link counters of the benchmarks, ``bench/infra/wire.py``, measure those).
+    collective's own fan-out excluded: the link counters of the benchmarks, ``testbed/wire.py``, measure those).
     compression_gain: ||sent||^2 / ||acc||^2 over the compressed tensors (GraVAC's gain).
     split_kept, split_imbalance (split_reduce only): rows the owners kept, over all its tensors, and how
     many rows the busiest owner of each tensor kept, summed, over the mean per owner (1.0: balanced

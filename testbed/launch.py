@@ -89,7 +89,7 @@ def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None
         np, argv, backend, hosts, interface, shared_memory: as for ``launch_command``.
         timeout: seconds; past it every process of the job is killed and JobFailed raised.
         prefix: command prefix, e.g. ``Namespace.prefix`` to run inside a network namespace, or
-            ``Host.prefix`` (bench/infra/hosts.py) to launch from an emulated host. A timeout kills the
+            ``Host.prefix`` (testbed/hosts.py) to launch from an emulated host. A timeout kills the
             processes on this machine's side; ranks on other hosts end with their ssh sessions (or are
             ended by ``EmulatedHosts.kill_strays``).
         env: extra environment variables (every rank gets them, on every host).

@@ -20,8 +20,8 @@ import torch
 
 from .bucket import GLOBAL_KEY
 from .dgc import clip_local
-from .memory import StepCommits
-from .sparsify import sq_norm_finite
+from ..core.memory import StepCommits
+from ..core.sparsify import sq_norm_finite
 
 __all__ = ["StepConfig", "StepUnits", "StepCoordinator"]
 

@@ -27,12 +27,12 @@ import torch
 from horovod.torch import mpi_ops
 
 from .op_token import TOKEN_SIZE, OpToken
-from .transports import ARTopk, SparseAllgather, SplitReduce
-from .transports.collectives import Collectives
-from .transports.index_sets import IndexPipeline
-from .transports.leaders import StarLeaders
-from .transports.regions import Regions
-from .transports.hierarchical import hierarchical_or_flat
+from ..transports import ARTopk, SparseAllgather, SplitReduce
+from ..transports.collectives import Collectives
+from ..transports.index_sets import IndexPipeline
+from ..transports.leaders import StarLeaders
+from ..transports.regions import Regions
+from ..transports.hierarchical import hierarchical_or_flat
 
 __all__ = ["CompressorTransports"]
 

@@ -6,7 +6,7 @@ then ``ratio``. The adaptive ratio moves ``ratio`` through ``change_ratio``: a n
 steps after the decision, so the AR-Topk index set prepared one step ahead already has the new size.
 Identical on every rank: it depends only on step and epoch counters every rank shares.
 """
-from .sparsify import k_for
+from ..core.sparsify import k_for
 
 __all__ = ["DensitySchedule"]
 
