@@ -10,20 +10,45 @@ ignores a second ``init``); scripts that shut Horovod down, or need their own en
 A failing entry ends the job (``os._exit(1)``): the other ranks may wait in its collectives, and only
 ending the job frees them. Marks written before and after each entry tell the launcher which entry
 failed; ``run_batch`` reports that one as failed and starts a new job for the entries after it.
+Each rank also prints a line as each entry starts, so that the job's output can be cut into each
+entry's part (``run_entries``).
 
-    python testbed/batch.py PLAN.json   # what run_batch launches; PLAN: {"marks", "timeout_each", "entries"}
+    python testbed/batch.py PLAN.json   # what run_batch launches; PLAN: {"marks", "timeouts", "entries"}
 """
 import contextlib
 import faulthandler
 import json
 import os
+import re
 import runpy
 import sys
 import tempfile
+import time
 import traceback
 import warnings
+from typing import NamedTuple, Optional
 
-__all__ = ["run_batch"]
+__all__ = ["run_batch", "run_entries", "EntryOutcome"]
+
+ENTRY_STARTS = "batch entry {} starts"
+_STARTS = re.compile(r"batch entry (\d+) starts$")
+_RANK_PREFIX = re.compile(r"^\[\d+\]<\w+>:")      # horovodrun's "[rank]<stdout>:" before each line
+LAUNCH_S = 60           # a launch's own seconds (launcher, imports, rendezvous) beyond its entries' time
+
+
+class EntryOutcome(NamedTuple):
+    """How one entry of ``run_entries`` ended.
+
+    failure: None when it ran to the end on every rank, else the ``JobFailed`` it ended in (its
+        output is this entry's part of the job's output).
+    output: this entry's part of its job's output (each rank's lines from the entry's start mark to
+        the next entry's).
+    seconds: from the entry's start on its first rank to its end on the last, or to the end of the
+        job it failed in; None if it never started.
+    """
+    failure: Optional[Exception]
+    output: str
+    seconds: Optional[float]
 
 
 def _mark(marks, index, what):
@@ -55,10 +80,12 @@ def _run_entries(plan_path):
         import torch  # noqa: F401  (imported first, so that its defaults can be kept from entry 0 on)
     for index, argv in enumerate(plan["entries"]):
         _mark(plan["marks"], index, "started")
+        for stream in (sys.stdout, sys.stderr):        # each is read apart: both say where an entry starts
+            print(ENTRY_STARTS.format(index), file=stream, flush=True)
         sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
         # An entry that hangs (a rank waiting inside a collective's C++ call, deaf to Python signals)
         # is ended from faulthandler's own thread, with every thread's stack, after its time is up.
-        faulthandler.dump_traceback_later(plan["timeout_each"], exit=True)
+        faulthandler.dump_traceback_later(plan["timeouts"][index], exit=True)
         try:
             with warnings.catch_warnings(), _torch_defaults_kept():
                 runpy.run_path(argv[0], run_name="__main__")
@@ -80,46 +107,94 @@ def _finished(marks, index, np):
     return all(os.path.exists(os.path.join(marks, f"{index}.done.rank{r}")) for r in range(np))
 
 
-def run_batch(np, entries, timeout_each=240, **launch):
+def _mark_times(marks, index, what):
+    return [os.path.getmtime(os.path.join(marks, name)) for name in os.listdir(marks)
+            if name.startswith(f"{index}.{what}.rank")]
+
+
+def split_output(text, count):
+    """Cut a batch job's output into its ``count`` entries' parts: a line goes to the entry its rank's
+    stream (the ``[r]<stdout>:`` prefix horovodrun writes; without one, whichever stream started an
+    entry last) last started; lines before any entry's start go to the first."""
+    parts = [[] for _ in range(count)]
+    current, last = {}, 0
+    for line in text.splitlines(keepends=True):
+        prefix = _RANK_PREFIX.match(line)
+        rank = prefix and prefix.group(0)
+        starts = _STARTS.search(line.rstrip("\r\n"))
+        if starts and int(starts.group(1)) < count:
+            current[rank] = last = int(starts.group(1))
+        parts[current.get(rank, last)].append(line)
+    return ["".join(p) for p in parts]
+
+
+def run_entries(np, entries, timeout_each=240, **launch):
     """Run ``entries`` (argv lists, each ``[script, arg, ...]``) in turn, in as few jobs as possible.
 
     Args:
         np: ranks of every job.
         entries: the runs, in the order they must run (a later entry may read an earlier one's files).
-        timeout_each: seconds allowed per entry: past them the entry's ranks exit, dumping their stacks.
+        timeout_each: seconds allowed per entry, one number or one per entry: past them the entry's
+            ranks exit, dumping their stacks.
         launch: passed to ``run_job`` (backend, prefix, env, cwd).
 
     Returns:
-        A list with, per entry, None when it ran to the end on every rank, or the ``JobFailed`` of the
-        job it failed in. An entry after a failed one runs in the next job; a job that fails before
-        its first entry starts fails every entry it held.
+        One ``EntryOutcome`` per entry. An entry after a failed one runs in the next job; a job that
+        fails before its first entry starts fails every entry it held, with the job's whole output.
+
+    Example::
+
+        ok, failed = run_entries(2, [["a.py", "--x", "1"], ["b.py"]], cwd=ROOT)
+        if failed.failure: print(failed.output)
     """
     from testbed.launch import JobFailed, run_job
 
-    outcome = [None] * len(entries)
+    timeouts = list(timeout_each) if isinstance(timeout_each, (list, tuple)) else [timeout_each] * len(entries)
+    if len(timeouts) != len(entries) or not all(t > 0 for t in timeouts):
+        raise ValueError(f"timeout_each: one number > 0 or one per entry ({len(entries)}), got {timeout_each!r}")
+    outcome = [EntryOutcome(None, "", None)] * len(entries)
     pending = list(range(len(entries)))
     while pending:
         with tempfile.TemporaryDirectory(prefix="batch-") as marks:
             plan = os.path.join(marks, "plan.json")
             with open(plan, "w") as f:
-                json.dump({"marks": marks, "timeout_each": timeout_each,
+                json.dump({"marks": marks, "timeouts": [timeouts[i] for i in pending],
                            "entries": [list(map(str, entries[i])) for i in pending]}, f)
+            failed = None
             try:
-                run_job(np, [sys.executable, os.path.abspath(__file__), plan],
-                        timeout=timeout_each * len(pending), **launch)
+                text = run_job(np, [sys.executable, os.path.abspath(__file__), plan],
+                               timeout=LAUNCH_S + sum(timeouts[i] for i in pending), **launch)
+            except JobFailed as error:
+                failed, text = error, error.output
+            ended = time.time()
+            parts = split_output(text, len(pending))
+            done = 0
+            while done < len(pending) and _finished(marks, done, np):
+                done += 1
+            if failed is not None and done == len(pending):   # every entry finished, then the job failed
+                done -= 1
+            for index in range(min(done + 1, len(pending))):
+                started = _mark_times(marks, index, "started")
+                end = max(_mark_times(marks, index, "done")) if index < done else ended
+                outcome[pending[index]] = EntryOutcome(None, parts[index], end - min(started) if started else None)
+            if failed is None:
                 return outcome
-            except JobFailed as failed:
-                done = 0
-                while done < len(pending) and _finished(marks, done, np):
-                    done += 1
-                if done == len(pending):        # every entry finished, then the job failed: blame the last
-                    done -= 1
-                started = os.path.exists(os.path.join(marks, f"{done}.started.rank0")) or done > 0
-                failed_entries = pending[done:done + 1] if started else pending
-                for i in failed_entries:
-                    outcome[i] = failed
-                pending = pending[done + 1:] if started else []
+            if outcome[pending[done]].seconds is not None:      # the entry it failed in had started
+                argv = " ".join(map(str, entries[pending[done]]))
+                outcome[pending[done]] = outcome[pending[done]]._replace(failure=JobFailed(
+                    f"{str(failed).splitlines()[0]} (in batch entry {argv})", parts[done]))
+                pending = pending[done + 1:]
+            else:                               # nothing started: the launch itself failed
+                for i in pending:
+                    outcome[i] = EntryOutcome(failed, text, None)
+                pending = []
     return outcome
+
+
+def run_batch(np, entries, timeout_each=240, **launch):
+    """``run_entries``, returning per entry only None (it ran to the end on every rank) or the
+    ``JobFailed`` of the job it failed in."""
+    return [entry.failure for entry in run_entries(np, entries, timeout_each, **launch)]
 
 
 if __name__ == "__main__":

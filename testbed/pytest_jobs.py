@@ -1,0 +1,269 @@
+"""Multi-rank jobs that tests declare and read, run in shared launches: a pytest plugin.
+
+A launch costs seconds on a small machine (horovodrun, two imports of torch and Horovod, Gloo's
+rendezvous), often more than the run it starts. So a test declares the runs it reads as ``Job``
+values, ``job(np, worker, *args)``, in its parameters or in ``@pytest.mark.jobs(...)``, and reads each
+with the ``results`` fixture. After collection, the selected tests' jobs are grouped by test file,
+rank count and launch settings (backend, environment, network namespace); each group runs in one
+launch (testbed/batch.py) the first time a test asks for one of its jobs. Each test still asserts on
+its own jobs, so a failure names its test; a job that fails fails only the tests that read it.
+
+Loaded for every test folder by the repository's root conftest.py (``pytest_plugins``). A worker
+named by its file name lives in the ``workers/`` folder beside the test file that declares it and
+gets ``--out FOLDER`` (where it writes ``rank<r>.pt`` or ``rank<r>.json``); a worker named by a path
+(``examples/char_lm.py``) is taken from the repository root and gets only its arguments.
+
+Example (tests/test_example.py, with tests/workers/ones.py writing ``{"total": ...}`` per rank)::
+
+    from testbed.pytest_jobs import job
+
+    ONES = job(2, "ones.py", "--value", 1)
+
+    @pytest.mark.jobs(ONES)
+    def test_two_ranks_add_up(results):
+        assert [r["total"] for r in results(ONES)] == [2, 2]
+"""
+import contextlib
+import dataclasses
+import json
+import os
+from typing import NamedTuple, Optional
+
+import pytest
+
+__all__ = ["Job", "job", "Out", "OutOf", "JobRun", "JobResults", "ROOT"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ("gloo", "mpi")
+
+
+@dataclasses.dataclass(frozen=True)
+class Out:
+    """An argument, or an environment value, naming a file in the job's own output folder
+    (``Out("result.json")``): known only when the job runs."""
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run of a worker on ``np`` ranks; equal jobs (same worker, arguments, ranks, settings) run
+    once. Made by ``job(...)``, which checks the fields."""
+    np: int
+    worker: str
+    args: tuple
+    backend: str = "gloo"
+    alone: bool = False
+    env: tuple = ()
+    netns: Optional[str] = None
+    timeout: int = 240
+
+    def group(self, test_file):
+        """The launch this job shares: its test file's jobs of the same ranks and launch settings."""
+        return (test_file, self.np, self.backend, self.env, self.netns) + ((self,) if self.alone else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class OutOf:
+    """An argument naming a file that an earlier job wrote (``OutOf(first, "ckpt.pt")``): the job that
+    reads it runs after ``job``, in the same launch when they share one."""
+    job: Job
+    name: str
+
+
+def job(np, worker, *args, backend="gloo", alone=False, env=None, netns=None, timeout=240):
+    """A ``Job``: ``worker`` run on ``np`` ranks with the arguments a command line would get.
+
+    Args:
+        np: ranks, >= 1.
+        worker: a file in the ``workers/`` folder beside the declaring test file (it gets ``--out``
+            first), or a path from the repository root such as ``"examples/char_lm.py"``.
+        args: its arguments (``str()`` of each), ``Out(name)`` or ``OutOf(job, name)``.
+        backend: ``"gloo"`` (horovodrun) or ``"mpi"`` (mpirun).
+        alone: the run needs a launch of its own (state that lives as long as the process, such as the
+            class form ``compression=TopKEF``, or ``hvd.init(process_sets=...)`` registering its sets).
+        env: extra environment variables of its launch, ``{name: value}`` (``Out`` values allowed when
+            ``alone``); jobs with other variables never share a launch.
+        netns: None, or the launch runs in a private network namespace (testbed/wire.py) whose
+            loopback carries only its bytes: ``"unlimited"``, or a tbf rate such as ``"100mbit"``.
+        timeout: seconds the run may take once started; past them its ranks exit with their stacks.
+
+    Returns:
+        The ``Job``, to list in ``@pytest.mark.jobs(...)`` or a test's parameters.
+
+    Example:
+        >>> job(2, "train.py", "--steps", 10).args
+        ('--steps', '10')
+    """
+    if not isinstance(np, int) or np < 1:
+        raise ValueError(f"np: the number of ranks, an int >= 1, got {np!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: one of {BACKENDS}, got {backend!r}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout: seconds > 0, got {timeout!r}")
+    if netns is not None and not (isinstance(netns, str) and netns):
+        raise ValueError(f"netns: None, 'unlimited' or a tbf rate such as '100mbit', got {netns!r}")
+    env = tuple(sorted((str(k), v if isinstance(v, Out) else str(v)) for k, v in (env or {}).items()))
+    if not alone and any(isinstance(v, Out) for _, v in env):
+        raise ValueError("env: an Out(...) value names one job's folder, so the job needs alone=True")
+    return Job(np, worker, tuple(a if isinstance(a, (Out, OutOf)) else str(a) for a in args), backend, alone,
+               env, netns, timeout)
+
+
+class JobRun(NamedTuple):
+    """How a job ended: its output folder, the ``JobFailed`` it ended in (None: it ran to the end on
+    every rank), its part of its launch's output, and the seconds from its start to its end (None if
+    it never started)."""
+    folder: object
+    failure: Optional[Exception]
+    output: str
+    seconds: Optional[float]
+
+
+def _jobs_in(value):
+    """The jobs in a test parameter or marker argument (a Job, or tuples/lists of them), with every job
+    that they read from before them."""
+    if isinstance(value, Job):
+        for arg in value.args:
+            if isinstance(arg, OutOf):
+                yield from _jobs_in(arg.job)
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _jobs_in(v)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "jobs(*jobs): the testbed.pytest_jobs Jobs a test reads, run with its "
+                                       "file's other jobs in shared launches")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that read jobs (``results``) start multi-rank jobs: marked ``multirank``. Tests that launch
+    in other ways carry the mark themselves."""
+    for item in items:
+        if "results" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multirank)
+
+
+def pytest_collection_finish(session):
+    groups = {}                     # Job.group -> its jobs, in the order they must run
+    for item in session.items:      # the selected tests only (after -k, -m, --deselect)
+        values = list(getattr(getattr(item, "callspec", None), "params", {}).values())
+        for marker in item.iter_markers("jobs"):
+            values.extend(marker.args)
+        for j in _jobs_in(values):
+            group = groups.setdefault(j.group(str(item.path)), [])
+            if j not in group:
+                group.append(j)
+    session.config.stash[_PLAN] = groups
+
+
+_PLAN = pytest.StashKey()
+
+
+class SharedJobs:
+    """Runs each group of declared jobs in one launch when first needed."""
+
+    def __init__(self, groups, tmp_path_factory):
+        self.groups = groups
+        self.tmp = tmp_path_factory
+        self.runs = {}              # (test file, job) -> JobRun
+
+    def run(self, test_file, j):
+        """The ``JobRun`` of job ``j``, declared by a test of ``test_file``; runs its group if needed."""
+        key = j.group(test_file)
+        assert j in self.groups.get(key, ()), f"{j} is not declared: list it in the test's parameters or " \
+                                              "in @pytest.mark.jobs(...)"
+        if (test_file, j) not in self.runs:
+            self._launch(key)
+        return self.runs[test_file, j]
+
+    def _launch(self, key):
+        from testbed.batch import run_entries
+
+        test_file = key[0]
+        todo = [j for j in self.groups[key] if (test_file, j) not in self.runs]
+        for j in todo:              # files read from a job of another group: that group first
+            for a in j.args:
+                if isinstance(a, OutOf) and a.job not in todo and (test_file, a.job) not in self.runs:
+                    self._launch(a.job.group(test_file))
+        folders = {j: self.tmp.mktemp(os.path.basename(j.worker).removesuffix(".py")) for j in todo}
+        entries = [self._argv(test_file, j, folders) for j in todo]
+        first = todo[0]
+        launch = dict(backend=first.backend, cwd=ROOT,
+                      env={k: str(folders[first] / v.name) if isinstance(v, Out) else v for k, v in first.env})
+        with _namespace(first.netns) as prefix:
+            outcomes = run_entries(first.np, entries, timeout_each=[j.timeout for j in todo], prefix=prefix, **launch)
+        for j, (failure, output, seconds) in zip(todo, outcomes):
+            self.runs[test_file, j] = JobRun(folders[j], failure, output, seconds)
+
+    def _argv(self, test_file, j, folders):
+        """The worker's command line: its script, ``--out`` for workers/, its arguments with paths."""
+        own = os.sep not in j.worker and "/" not in j.worker
+        script = os.path.join(os.path.dirname(test_file), "workers", j.worker) if own else os.path.join(ROOT, j.worker)
+        if not os.path.isfile(script):
+            raise ValueError(f"worker {j.worker!r}: no such file {script}")
+        args = [str(folders[j] / a.name) if isinstance(a, Out) else
+                str(self.runs[test_file, a.job].folder / a.name) if isinstance(a, OutOf) and a.job not in folders else
+                str(folders[a.job] / a.name) if isinstance(a, OutOf) else a for a in j.args]
+        return [script, *(["--out", str(folders[j])] if own else []), *args]
+
+
+@contextlib.contextmanager
+def _namespace(netns):
+    """The launch prefix for ``Job.netns``: nothing, or a fresh namespace's, deleted after the launch."""
+    if netns is None:
+        yield ()
+        return
+    from testbed.wire import Namespace
+    with Namespace(rate=None if netns == "unlimited" else netns) as ns:
+        yield tuple(ns.prefix)
+
+
+class JobResults:
+    """What the ``results`` fixture gives a test: ``results(job)``, ``results.path(job, name)`` and
+    ``results.run(job)`` for the jobs it declared."""
+
+    def __init__(self, shared, test_file):
+        self.shared, self.test_file = shared, test_file
+
+    def __call__(self, j):
+        """The per-rank result dicts the worker saved (``rank<r>.pt``, or ``rank<r>.json``); raises the
+        ``JobFailed`` the job ended in."""
+        folder = self.path(j, ".")
+        ranks = []
+        for r in range(j.np):
+            pt, js = folder / f"rank{r}.pt", folder / f"rank{r}.json"
+            if pt.exists():
+                import torch
+                ranks.append(torch.load(pt, weights_only=False))
+            elif js.exists():
+                ranks.append(json.loads(js.read_text()))
+            else:
+                raise FileNotFoundError(f"{j.worker} wrote neither {pt.name} nor {js.name} in {folder}")
+        return ranks
+
+    def path(self, j, name):
+        """The path of ``name`` in the job's output folder, once the job ran to the end on every rank;
+        raises the ``JobFailed`` the job ended in."""
+        done = self.run(j)
+        if done.failure is not None:
+            raise done.failure
+        return done.folder / name
+
+    def run(self, j):
+        """The job's ``JobRun`` (folder, failure, output, seconds), however it ended: for jobs expected to
+        fail, or whose output or time is read."""
+        return self.shared.run(self.test_file, j)
+
+
+@pytest.fixture(scope="session")
+def _shared_jobs(request, tmp_path_factory):
+    return SharedJobs(request.config.stash[_PLAN], tmp_path_factory)
+
+
+@pytest.fixture
+def results(request, _shared_jobs):
+    """``results(job)``: the per-rank result dicts of a job this test declared, run with its file's
+    other jobs in one launch; ``results.path(job, name)``, ``results.run(job)``: see ``JobResults``."""
+    return JobResults(_shared_jobs, str(request.path))
