@@ -40,6 +40,7 @@ LAYERS = [
         ("hierarchical.py", "dense in a host, split_reduce\nacross hosts: host_sets.py",
          ["transports/hierarchical.py", "transports/host_sets.py"]),
         ("collectives.py", "grouping, flags,\nagreement", ["transports/collectives.py"]),
+        ("lowrank.py", "PowerSGD's\nlow-rank P, Q", ["transports/lowrank.py"]),
     ]),
     ("core/", [
         ("core/", "residuals (memory.py), exact top-k (sparsify.py),\nsizes on the wire (wire.py), "

@@ -13,6 +13,10 @@ Invariants, which tests/test_transports.py checks for every transport on real ra
 2. ``out.sent`` holds the indices of ``acc`` that left this rank (None: all of them). The caller zeroes
    them in the residual, which keeps error feedback exact per rank: Σ sent + residual = Σ grad. The
    aggregate is the sum (or average) over ranks of exactly what they sent.
+   A transport that computes the residual itself (low rank: no entry leaves whole) gives this rank's
+   new residual in ``out.residual`` instead, and ``sent`` None; the caller takes it as it is. Over the
+   ranks, in float64: Σ new residuals + the summed aggregate (the aggregate times the number of ranks
+   when averaging) = Σ acc. Every other transport leaves ``residual`` None.
 3. ``started.nbytes`` is the payload this rank handed to the collectives, within the cost model's
    formula for the transport (``hvd_topk.auto.costmodel``).
 4. ``forget()`` drops whatever outlives a step (phases in flight, shared index sets, regions): after an
@@ -34,6 +38,8 @@ class Outcome(NamedTuple):
     sent: Optional[torch.Tensor]          # indices of acc this rank sent; None: all of them
     selected: Optional[torch.Tensor] = None   # split_reduce: this rank's nominated top-k (a superset
                                           # of sent), where momentum correction masks; None: sent
+    residual: Optional[torch.Tensor] = None   # lowrank: this rank's new residual (invariant 2); None:
+                                          # the caller's, from sent
 
 
 class Started(NamedTuple):

@@ -1,0 +1,202 @@
+"""Low rank: PowerSGD (Vogels et al., NeurIPS'19; torch's ``powerSGD_hook``) on Horovod's allreduce.
+
+Each tensor's matrix view M (n x m, ``hvd_topk.core.lowrank``) leaves a rank as two thin matrices,
+P = M Q (n x r) and Q = M^T P (m x r), one power iteration per step from the Q of the last step (warm
+start, kept per key, identical on every rank). The math is in ``hvd_topk.core.lowrank``; this class
+moves the matrices:
+
+1. ``start``: M Q with this rank's M = acc. A tensor that does not shrink at least twofold (or has one
+   dimension, or is sent whole: k = numel) goes dense: its accumulator takes P's place.
+2. The first ``finish`` of the step runs the rest for every key started, in sorted key order, so ranks
+   that started them in different orders still add the same collectives in the same order:
+   a. one allreduce (per dtype) of all the P's and dense tensors, laid end to end with one finite flag
+      per key; any rank's raised flag, or a non-finite sum, gives that key None on every rank;
+   b. P orthogonalized, Q_i = M_i^T P, one allreduce (per dtype) of all the Q's;
+   c. the aggregate P Q^T (W P Q^T summing) and this rank's new residual M_i - P Q^T.
+
+Why one flat buffer per phase rather than one tensor per key: where ranks started different keys, a
+buffer of a different length fails at once on every rank (Horovod's "Mismatched ALLREDUCE tensor
+shapes"), where separate tensors would leave ranks waiting for tensors the others never submit. It is
+one message per phase, as Horovod's fusion would make of a group, and torch's hook lays its P's and
+Q's out the same way.
+
+Error feedback is the transport's (``Outcome.residual``, base.py invariant 2): over the ranks, the new
+residuals plus the summed aggregate equal the accumulators. A dense key sends all (residual flushed).
+Bytes per compressed key: r(n + m) values and one flag; a dense key: n*m values and one flag.
+"""
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from horovod.torch import mpi_ops
+
+from .base import Outcome, Started
+from .collectives import finite_flag, flag_raised, wait
+from ..core.lowrank import (compressed_rank, decompress, finish_power_iteration, matrix_shape, next_warm_start,
+                            start_power_iteration, warm_start, MIN_COMPRESSION_RATE)
+from ..core.sparsify import sq_norm_finite
+from ..core.validate import check_int, check_number
+
+__all__ = ["LowRank", "sum_end_to_end"]
+
+
+def _all_finite(*tensors):
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _shape_of(shapes, key, acc, grad):
+    """``key``'s shape: from ``shapes``, else ``grad``'s, else the flat ``acc``'s (dense)."""
+    shape = shapes.get(key, grad.shape if grad is not None and grad.numel() == acc.numel() else acc.shape)
+    if math.prod(shape) != acc.numel():
+        raise ValueError(f"shapes[{key!r}] must hold the accumulator's {acc.numel()} elements, got {tuple(shape)}")
+    return shape
+
+
+class _Work(NamedTuple):
+    """A key started this step, until the step's first ``finish``."""
+    acc: torch.Tensor                     # this rank's flat accumulator
+    matrix: Optional[torch.Tensor]        # its n x m view; None: the key goes dense
+    q_old: Optional[torch.Tensor]         # the warm start it began from (kept if the new Q is unusable)
+    payload: torch.Tensor                 # what the first allreduce sums: P, or the whole acc
+    flag: torch.Tensor                    # finite_flag
+
+
+def sum_end_to_end(tensors, name, process_set):
+    """(the ranks' sums of ``tensors``, [(collective name, numel)]): one in-place allreduce per dtype
+    of the tensors laid end to end in their order, all started before any is waited for."""
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    handles, launches = [], []
+    for dtype in sorted(by_dtype, key=str):
+        flat = torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]])
+        launches.append((f"{name}.{str(dtype).removeprefix('torch.')}", flat.numel()))
+        handles.append((by_dtype[dtype], mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=launches[-1][0],
+                                                                  process_set=process_set)))
+    sums = [None] * len(tensors)
+    for indices, handle in handles:
+        for i, part in zip(indices, torch.split(wait(handle), [tensors[i].numel() for i in indices])):
+            sums[i] = part.view(tensors[i].shape)
+    return sums, launches
+
+
+class LowRank:
+    """PowerSGD of each key's accumulator (module docstring).
+
+    Args:
+        collectives: the caller's ``Collectives`` (its process set; its pending groups are started
+            before this transport adds collectives).
+        average: the aggregate is the mean over the ranks (Horovod's Average), else the sum.
+        rank: the approximation's rank r (>= 1), at most min(n, m) per tensor.
+        shapes: key -> the tensor's shape, for its matrix view; a key not in it takes ``grad``'s shape
+            when ``start`` gets one, else is one-dimensional (dense).
+        name: prefix of the collectives' names (distinct per optimizer, identical on all ranks).
+        seed: the first Q's seed (identical on all ranks).
+        epsilon: added to each column's norm in the orthogonalization (torch's
+            ``orthogonalization_epsilon``, >= 0).
+        min_compression_rate: compress a tensor only if it shrinks more than this (> 0; torch's 2).
+
+    Example::
+
+        lowrank = LowRank(Collectives("lowrank"), average=True, rank=4, shapes={"fc": (64, 32)})
+        started = lowrank.start("fc", acc, None, finite)     # acc: grad + residual, flat
+        out = started.finish()           # out.aggregate: the mean; out.residual: this rank's new one
+    """
+
+    def __init__(self, collectives, average, rank=4, shapes=None, name="hvd_topk.lowrank", seed=0, epsilon=0.0,
+                 min_compression_rate=MIN_COMPRESSION_RATE):
+        self.collectives, self.average, self.name = collectives, average, name
+        self.rank = check_int("rank", rank, low=1)
+        self.seed = check_int("seed", seed, low=0)
+        self.epsilon = check_number("epsilon", epsilon, low=0)
+        self.min_compression_rate = check_number("min_compression_rate", min_compression_rate, low=0, low_open=True)
+        self.shapes = dict(shapes or {})
+        self.q = {}                     # key -> warm-start Q (m x r), identical on every rank
+        self.inflight = {}              # key -> this step's started work, until the first finish
+        self.outcomes = {}              # key -> Outcome, finished but not yet handed out
+        self.launches = []              # (name, numel) of the allreduces of the last step, in order
+
+    def _matrix(self, key, acc, grad, k):
+        """(M as n x m, r) for a compressed key, or (None, 0) for a dense one."""
+        shape = _shape_of(self.shapes, key, acc, grad)
+        r = 0 if k is not None and k >= acc.numel() else compressed_rank(shape, self.rank, self.min_compression_rate)
+        return (acc.view(*matrix_shape(shape)), r) if r else (None, 0)
+
+    def start(self, key, acc, k, finite, grad=None, step=None, k_next=None):
+        """Start ``key``'s step: P = M Q now, the collectives at the step's first ``finish``.
+
+        Args:
+            key: the tensor's name (sorted with the step's other keys).
+            acc: this rank's flat accumulator (grad + residual); only read.
+            k: ``acc.numel()`` sends it whole (dense); any other value (None too) compresses at ``rank``.
+            finite: ``acc`` has no inf/NaN on this rank.
+            grad: its shape serves when ``shapes`` lacks ``key``; ``step``, ``k_next``: unused.
+
+        Returns:
+            ``Started``: nbytes r(n + m) + 1 values (n*m + 1 dense); sent_sq the squared norm of M's
+            projection on the warm start's columns (all of ``acc`` dense).
+        """
+        if key in self.inflight or key in self.outcomes:
+            raise RuntimeError(f"hvd_topk lowrank: tensor {key!r} started twice in one step")
+        matrix, r = self._matrix(key, acc, grad, k)
+        if r:
+            q_old = warm_start(self.q.get(key), key, matrix.shape[1], r, self.seed, acc)
+            _, p = start_power_iteration(matrix, q_old, self.epsilon)
+            payload, sent_sq = p, sq_norm_finite(p.reshape(-1))[0]
+        else:
+            q_old, payload, sent_sq = None, acc, sq_norm_finite(acc)[0]
+        self.inflight[key] = _Work(acc, matrix, q_old, payload, finite_flag(finite, acc))
+
+        def finish():
+            if key not in self.outcomes:
+                self._run_step()
+            return self.outcomes.pop(key)
+        values = r * sum(matrix.shape) if r else acc.numel()      # P and, at finish, Q; or everything
+        return Started((values + 1) * acc.element_size(), sent_sq, finish)
+
+    def _run_step(self):
+        """Phases a-c for every key in flight, in key order (module docstring)."""
+        self.collectives.start_pending()
+        keys = sorted(self.inflight)
+        work, self.inflight = self.inflight, {}
+        ps = self.collectives.process_set
+        sums, self.launches = sum_end_to_end([t for key in keys for t in (work[key].payload, work[key].flag)],
+                                             f"{self.name}.P", ps)
+        sums = dict(zip(keys, zip(sums[0::2], sums[1::2])))
+        second = {}                     # key -> P orthogonalized, this rank's Q_i
+        for key, (total, flag) in sums.items():
+            if flag_raised(flag.reshape(())) or not _all_finite(total):       # identical on every rank
+                self.outcomes[key] = Outcome(None, None)
+            elif work[key].matrix is None:      # dense: all was sent, the caller flushes the residual
+                total = total * (1.0 / ps.size()) if self.average else total
+                self.outcomes[key] = Outcome(total.reshape(-1).to(work[key].acc.dtype), None)
+            else:
+                second[key] = finish_power_iteration(work[key].matrix, total, self.epsilon)
+        q_sums, launches = sum_end_to_end([second[key][1] for key in sorted(second)], f"{self.name}.Q", ps)
+        self.launches += launches
+        for key, q_sum in zip(sorted(second), q_sums):
+            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum)
+
+    def _lowrank(self, key, work, p, q_sum):
+        """A compressed key's outcome: the aggregate and this rank's residual; Q kept if all finite."""
+        aggregate, mean, q = decompress(p, q_sum, self.collectives.process_set.size(), self.average)
+        if not _all_finite(q_sum, aggregate, mean):         # identical on every rank: all skip
+            return Outcome(None, None)
+        self.q[key] = next_warm_start(work.q_old, q)
+        return Outcome(aggregate.reshape(-1), None, residual=(work.matrix - mean).reshape(-1))
+
+    def forget(self):
+        """Drop what the old set of ranks shared: work in flight, outcomes and the warm-start Q's (a
+        joining rank has none; every rank starts again from the seeded Q)."""
+        self.inflight, self.outcomes, self.q = {}, {}, {}
+
+    def state_dict(self):
+        """The warm-start Q's (identical on every rank) and the rank they were made at."""
+        return {"rank": self.rank, "q": {key: q.detach().clone() for key, q in self.q.items()}}
+
+    def load_state_dict(self, state):
+        """Continue from ``state_dict()``'s Q's: the steps after are bit for bit those of the saved job."""
+        if state["rank"] != self.rank:
+            raise ValueError(f"rank must be the saved state's {state['rank']} to load it, got {self.rank}")
+        self.inflight, self.outcomes = {}, {}
+        self.q = {key: q.clone() for key, q in state["q"].items()}
