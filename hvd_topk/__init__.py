@@ -4,10 +4,12 @@ Public names are imported lazily, so that ``hvd_topk.core.sparsify`` works witho
 """
 import importlib
 
-__all__ = ["TopKEF", "DistributedOptimizer", "save_checkpoint", "load_checkpoint", "host_process_sets"]
+__all__ = ["TopKEF", "DistributedOptimizer", "TopKSettings", "OptimizerSettings", "save_checkpoint", "load_checkpoint",
+           "host_process_sets"]
 __version__ = "0.1.0"
 
 _PUBLIC = {"TopKEF": ".compression", "DistributedOptimizer": ".optimizer",
+           "TopKSettings": ".settings", "OptimizerSettings": ".settings",
            "save_checkpoint": ".step.checkpoint", "load_checkpoint": ".step.checkpoint",
            "host_process_sets": ".transports.host_sets"}
 

@@ -1,5 +1,6 @@
-"""What each front door accepts: one place for the argument checks of ``TopKEF`` and
-``hvd_topk.DistributedOptimizer``.
+"""What each front door accepts: one place for the checks of the settings (``hvd_topk.settings``:
+``TopKSettings``, ``OptimizerSettings``, each checked when made) and of those arguments of
+``hvd_topk.DistributedOptimizer`` that need the optimizer.
 
 Every check raises ``ValueError`` naming the argument and the accepted values (``hvd_topk.core.validate``'s
 message shape), before anything collective starts, so a bad argument fails alike on every rank. The
@@ -14,8 +15,8 @@ from horovod.torch.mpi_ops import Average, Sum
 
 from .core.validate import check_choice, check_int, check_number
 
-__all__ = ["check_topkef", "check_optimizer", "check_groups", "STOCK_COMMUNICATIONS", "COMMUNICATIONS",
-           "COMPRESSES", "LEADERS", "SELECTIONS"]
+__all__ = ["check_topk_settings", "check_optimizer_settings", "check_hierarchical", "check_optimizer", "check_groups",
+           "STOCK_COMMUNICATIONS", "COMMUNICATIONS", "COMPRESSES", "LEADERS", "SELECTIONS"]
 
 STOCK_COMMUNICATIONS = ("split_reduce", "hierarchical", "allgather", "artopk", "dense")     # TopKEF's
 COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto")   # the optimizer's
@@ -24,73 +25,78 @@ LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
 
 
-def check_topkef(ratio, min_numel, communication, budget, process_set):
-    """``TopKEF``'s arguments: (ratio, min_numel, communication, budget) as validated."""
-    checked = (check_number("ratio", ratio, low=0, high=1, low_open=True, what="(fraction of elements kept)"),
-               check_int("min_numel", min_numel),
-               check_choice("communication", communication, STOCK_COMMUNICATIONS),
-               check_number("budget", budget, low=1, what="(multiple of k kept by split_reduce)"))
-    _check_hierarchical(communication, process_set)
-    return checked
+def check_topk_settings(settings):
+    """``TopKSettings``' fields, checked: {name: value as kept (float, int, bool)}."""
+    return {"ratio": check_number("ratio", settings.ratio, low=0, high=1, low_open=True,
+                                  what="(fraction of elements kept)"),
+            "min_numel": check_int("min_numel", settings.min_numel),
+            "communication": check_choice("communication", settings.communication, STOCK_COMMUNICATIONS),
+            "budget": check_number("budget", settings.budget, low=1, what="(multiple of k kept by split_reduce)"),
+            "sync_indices": bool(settings.sync_indices)}
 
 
-def _check_hierarchical(communication, process_set):
+def check_hierarchical(communication, process_set):
+    """ValueError if ``communication`` is hierarchical in a set other than the global one."""
     if communication == "hierarchical" and process_set is not mpi_ops.global_process_set:
         raise ValueError("communication='hierarchical' needs the global process set (it builds its own per host)")
 
 
-def check_optimizer(*, optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
-                    process_set, momentum_correction, warmup_steps, warmup_epochs, clip_grad_norm, communication,
-                    leader, value_dtype, grad_scaler, selection, dense_steps, compress, local_momentum):
-    """``hvd_topk.DistributedOptimizer``'s arguments (``compression``: the TopKEF instance; the automatic
-    ones are ``hvd_topk.auto``'s): ValueError naming the first bad one; else (communication (None: the
-    TopKEF's), momentum correction on/off)."""
-    communication = compression.communication if communication is None else communication
-    check_choice("communication", communication, COMMUNICATIONS)
-    check_choice("compress", compress, COMPRESSES)
-    check_choice("selection", selection, SELECTIONS)
-    check_choice("leader", leader, LEADERS)
-    if compress == "update" and momentum_correction:
+def check_optimizer_settings(s):
+    """``OptimizerSettings``' fields, each alone and together (what needs the optimizer is
+    ``check_optimizer``'s): ValueError naming the first bad one; else momentum correction on/off."""
+    check_choice("compress", s.compress, COMPRESSES)
+    check_choice("selection", s.selection, SELECTIONS)
+    check_choice("leader", s.leader, LEADERS)
+    if s.momentum_correction not in (None, False, True):
+        raise ValueError(f"momentum_correction must be True or False, got {s.momentum_correction!r}")
+    if s.compress == "update" and s.momentum_correction:
         raise ValueError("momentum_correction=True cannot be used with compress='update' (the local "
                          "optimizer keeps its momentum; its update is what is compressed)")
-    if not isinstance(local_momentum, bool):
-        raise ValueError(f"local_momentum must be True or False, got {local_momentum!r}")
-    if not local_momentum:
-        if compress != "update":
-            raise ValueError("local_momentum=False needs compress='update' (with compress='gradient' the "
-                             "optimizer steps on the aggregate; see momentum_correction)")
-        if any("betas" not in g and "momentum" not in g for g in optimizer.param_groups):
-            raise ValueError(f"local_momentum=False needs an optimizer whose param groups have 'betas' (Adam "
-                             f"family) or 'momentum' (SGD, RMSprop); {type(optimizer).__name__} has neither")
-    if compress == "update" and grad_scaler is not None:
+    if not isinstance(s.local_momentum, bool):
+        raise ValueError(f"local_momentum must be True or False, got {s.local_momentum!r}")
+    if not s.local_momentum and s.compress != "update":
+        raise ValueError("local_momentum=False needs compress='update' (with compress='gradient' the "
+                         "optimizer steps on the aggregate; see momentum_correction)")
+    for name in ("warmup_steps", "warmup_epochs", "dense_steps"):
+        check_int(name, getattr(s, name))
+    if s.clip_grad_norm is not None:
+        check_number("clip_grad_norm", s.clip_grad_norm, low=0, low_open=True, what="or None")
+    if s.value_dtype is not None and not (isinstance(s.value_dtype, torch.dtype) and s.value_dtype.is_floating_point):
+        raise ValueError(f"value_dtype must be a floating torch dtype or None, got {s.value_dtype!r}")
+    if s.adaptive_weight is not None:
+        check_number("adaptive_weight", s.adaptive_weight, low=0)
+    check_int("auto_every", s.auto_every, low=2)
+    return bool(s.momentum_correction)
+
+
+def check_optimizer(*, optimizer, settings, communication, backward_passes_per_step, op, gradient_predivide_factor,
+                    groups, process_set, grad_scaler):
+    """``hvd_topk.DistributedOptimizer``'s arguments beside the settings (``settings``: its
+    ``OptimizerSettings``, checked alone when made; the automatic ones are ``hvd_topk.auto``'s), and
+    what the settings need of the optimizer: ValueError naming the first bad one."""
+    check_choice("communication", communication, COMMUNICATIONS)
+    if not settings.local_momentum and any("betas" not in g and "momentum" not in g for g in optimizer.param_groups):
+        raise ValueError(f"local_momentum=False needs an optimizer whose param groups have 'betas' (Adam "
+                         f"family) or 'momentum' (SGD, RMSprop); {type(optimizer).__name__} has neither")
+    if settings.compress == "update" and grad_scaler is not None:
         raise ValueError("grad_scaler cannot be used with compress='update' (use it with "
                          "compress='gradient', or unscaled gradients)")
-    for name, value in (("warmup_steps", warmup_steps), ("warmup_epochs", warmup_epochs),
-                        ("dense_steps", dense_steps)):
-        check_int(name, value)
     check_int("backward_passes_per_step", backward_passes_per_step, low=1)
-    if clip_grad_norm is not None:
-        check_number("clip_grad_norm", clip_grad_norm, low=0, low_open=True, what="or None")
     if op not in (Average, Sum):
         raise ValueError("op must be hvd.Average or hvd.Sum (Adasum is not a sum of sparse vectors)")
     check_number("gradient_predivide_factor", gradient_predivide_factor, low=0, low_open=True)
     if not isinstance(process_set, mpi_ops.ProcessSet) or process_set.process_set_id is None:
         raise ValueError(f"process_set must be a Horovod ProcessSet registered with hvd.init or "
                          f"hvd.add_process_set, got {process_set!r}")
-    if value_dtype is not None and not (isinstance(value_dtype, torch.dtype) and value_dtype.is_floating_point):
-        raise ValueError(f"value_dtype must be a floating torch dtype or None, got {value_dtype!r}")
-    _check_hierarchical(communication, process_set)
+    check_hierarchical(communication, process_set)
     # DGC's correction is SGD's momentum, on the raw gradient; RMSprop's momentum acts after its
     # normalisation, so correcting it would change what the optimizer computes.
     has_momentum = isinstance(optimizer, torch.optim.SGD) and \
         any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups)
-    if momentum_correction not in (None, False, True):
-        raise ValueError(f"momentum_correction must be True or False, got {momentum_correction!r}")
-    if momentum_correction and not has_momentum:
+    if settings.momentum_correction and not has_momentum:
         raise ValueError("momentum_correction=True needs an optimizer with momentum > 0: torch.optim.SGD "
                          f"or a subclass (got {type(optimizer).__name__} without SGD's momentum)")
     check_groups(groups, optimizer)
-    return communication, bool(momentum_correction)
 
 
 def check_groups(groups, optimizer):

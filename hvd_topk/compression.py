@@ -38,7 +38,8 @@ import torch
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
-from .arguments import STOCK_COMMUNICATIONS, check_topkef
+from .arguments import STOCK_COMMUNICATIONS, check_hierarchical
+from .settings import TopKSettings
 from .step.compressor_transports import CompressorTransports
 from .step.gradient_keys import ParameterKeys, SlotSequence
 from .core.memory import ResidualMemory, StepCommits
@@ -121,21 +122,21 @@ class TopKEF(Compressor):
     numel)) entries of ``acc``; ``residual = acc`` with the entries that left this rank zeroed.
     Tensors with fewer than ``min_numel`` elements, and non-floating tensors, go unchanged.
 
+    Making one only checks and keeps its settings (``comp.settings``, a ``TopKSettings``; the class's are
+    the defaults): all that ``hvd_topk.DistributedOptimizer`` reads. Horovod's first ``compress`` builds the transports.
+
     Args:
         ratio: fraction of elements kept per tensor, in (0, 1]. 1.0 sends everything (dense result).
         min_numel: tensors with fewer elements go dense; >= 0.
         communication: the transport (module docstring): ``'split_reduce'`` (default: every rank's own
-            top-k, the global top-k of the sums kept), ``'allgather'`` (every rank's own top-k, all
-            kept), ``'hierarchical'`` (dense inside each host, split_reduce across hosts; built after
-            ``hvd.init``: ``hvd_topk.transports.hierarchical``), ``'artopk'`` (one leader's set) or ``'dense'``.
-        sync_indices: artopk only: share the current step's index set by a blocking broadcast in
-            compress, instead of one step stale (one asynchronous allgather of every set per step).
-        named_parameters: ``model.named_parameters()``, as given to the optimizer: state keyed by name,
-            whatever order Horovod compresses in. Without it, by position in the step, which must then be
-            the same every step and on every rank (else every rank raises, naming this argument).
+            top-k, the global top-k of the sums kept), ``'allgather'`` (every rank's own top-k, all kept),
+            ``'hierarchical'`` (dense inside each host, split_reduce across them), ``'artopk'`` or ``'dense'``.
+        sync_indices: artopk only: share the step's index set by a blocking broadcast (default: one step stale).
+        named_parameters: ``model.named_parameters()``, as given to the optimizer: state keyed by name, whatever
+            order Horovod compresses in; without it, by position in the step (the same on every step and rank).
         process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
         budget: split_reduce keeps the largest ``budget * k`` summed entries (>= 1): room where the ranks'
-            top-k sets disagree (non-IID data). ``hvd_topk.DistributedOptimizer`` reads it here too.
+            top-k sets disagree (non-IID data).
 
     Example:
         >>> import horovod.torch as hvd, torch
@@ -150,17 +151,17 @@ class TopKEF(Compressor):
     """
 
     _instances = itertools.count()   # creation counter: names the collectives identically on all ranks
+    settings = TopKSettings()        # the class's own: what ``compression=TopKEF`` means
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
                  process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0):
-        self.ratio, self.min_numel, self.communication, self.budget = check_topkef(ratio, min_numel,
-                                                                                   communication, budget, process_set)
+        self.settings = TopKSettings(ratio, min_numel, communication, budget, sync_indices)
+        check_hierarchical(self.settings.communication, process_set)
         self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
-        self.memory = ResidualMemory()        # key -> residual
-        self._step = _PendingStep()           # this step's candidates
-        self.transports = CompressorTransports(f"hvd_topk.TopKEF{next(TopKEF._instances)}", self.communication,
-                                               self.keys.key_index, process_set, _MISMATCH_HINT if named_parameters
-                                               is None else "", bool(sync_indices), self.budget)
+        self.memory, self._step = ResidualMemory(), _PendingStep()     # key -> residual; this step's candidates
+        self.transports = CompressorTransports(self.settings, tag=f"hvd_topk.TopKEF{next(TopKEF._instances)}",
+                                               key_index=self.keys.key_index, process_set=process_set,
+                                               mismatch_hint=_MISMATCH_HINT if named_parameters is None else "")
 
     @classmethod
     def default(cls):
@@ -189,10 +190,10 @@ class TopKEF(Compressor):
             self._step, self.keys.interrupted = _PendingStep(), False
             self.transports.forget()
         self.transports.before_gradient()
-        if tensor.numel() < self.min_numel:
+        if tensor.numel() < self.settings.min_numel:
             return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
         acc = self.memory.compensate(key, tensor)
-        k = k_for(acc.numel(), self.ratio)
+        k = k_for(acc.numel(), self.settings.ratio)
         buf, started, indices = self.transports.send(key, acc, k, sq_norm_finite(acc)[1], tensor)
         return buf, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started, indices=indices, acc=acc)
 
@@ -225,7 +226,7 @@ class TopKEF(Compressor):
 
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
-        return {"ratio": self.ratio, "communication": self.communication,
+        return {"ratio": self.settings.ratio, "communication": self.settings.communication,
                 "signatures": list(getattr(self.keys, "signatures", [])),
                 "residuals": self.memory.state_dict(), **self.transports.state_dict()}
 

@@ -22,6 +22,7 @@ LAYERS = [
         ("compression.py  TopKEF", "Horovod's Compressor", ["compression.py"]),
         ("optimizer.py  DistributedOptimizer", "the factory; arguments.py:\nthe front doors' checks",
          ["optimizer.py", "arguments.py", "__init__.py"]),
+        ("settings.py", "what both doors read:\nTopKSettings, OptimizerSettings", ["settings.py"]),
     ]),
     ("the step", [
         ("step/", "one synchronized step of either door:\ncoordinator, Horovod's overrides, DGC,\n"
@@ -32,15 +33,16 @@ LAYERS = [
     ("transports/  (one Transport protocol: base.py)", [
         ("dense.py", "allreduce of\neverything", ["transports/dense.py", "transports/base.py",
                                                   "transports/__init__.py"]),
-        ("artopk.py", "one leader's index set:\nleaders.py, index_sets.py",
+        ("artopk.py", "one leader's\nindex set: leaders.py,\nindex_sets.py",
          ["transports/artopk.py", "transports/leaders.py", "transports/index_sets.py"]),
         ("allgather.py", "every rank's\nown top-k", ["transports/allgather.py"]),
-        ("split_reduce.py", "owners sum regions,\nglobal top-k: regions.py",
+        ("split_reduce.py", "owners sum regions,\nglobal top-k:\nregions.py",
          ["transports/split_reduce.py", "transports/regions.py"]),
-        ("hierarchical.py", "dense in a host, split_reduce\nacross hosts: host_sets.py",
+        ("hierarchical.py", "dense in a host,\nsplit_reduce across\nhosts: host_sets.py",
          ["transports/hierarchical.py", "transports/host_sets.py"]),
         ("collectives.py", "grouping, flags,\nagreement", ["transports/collectives.py"]),
         ("lowrank.py", "PowerSGD's\nlow-rank P, Q", ["transports/lowrank.py"]),
+        ("build.py", "the one factory:\nsettings ->\ntransports", ["transports/build.py"]),
     ]),
     ("core/", [
         ("core/", "residuals (memory.py), exact top-k (sparsify.py),\nsizes on the wire (wire.py), "
@@ -50,6 +52,13 @@ LAYERS = [
         ("horovod.torch", "allreduce, allgather, alltoall, reducescatter, broadcast (Gloo or MPI)", []),
     ]),
 ]
+
+
+# What only the factory (transports/build.py) constructs: the transports, their leaders, index sets,
+# collectives and regions. Both front doors call it, so the two doors cannot wire them up differently.
+FACTORY = os.path.join("transports", "build.py")
+BUILT_BY_THE_FACTORY = {"ARTopk", "SparseAllgather", "SplitReduce", "Dense", "Hierarchical", "StarLeaders",
+                        "VarLeaders", "IndexPipeline", "Collectives", "Regions"}
 
 
 def _layers():
@@ -132,3 +141,37 @@ def test_files_and_units_are_small(rel):
                   if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and
                   node.end_lineno - node.lineno + 1 > MAX_UNIT_LINES]
     assert not long_units, f"{rel}: {long_units} over {MAX_UNIT_LINES} lines"
+
+
+def _constructions(source):
+    """{(class, line)} of the calls in ``source`` that construct a class of BUILT_BY_THE_FACTORY, by its name,
+    an attribute of that name or a name it was imported as."""
+    tree = ast.parse(source)
+    aliases = {a.asname: a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               for a in node.names if a.asname}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            name = aliases.get(name, name)
+            if name in BUILT_BY_THE_FACTORY:
+                found.add((name, node.lineno))
+    return found
+
+
+def test_only_the_factory_constructs_transports():
+    outside = []
+    for rel in sorted(_sources()):
+        if rel != FACTORY:
+            with open(os.path.join(PACKAGE, rel)) as f:
+                outside += [(rel, name, line) for name, line in sorted(_constructions(f.read()))]
+    assert not outside, f"only {FACTORY} (build_transports) may construct these: {outside}"
+
+
+def test_the_factory_rule_can_fail():
+    """The check sees a construction by name, by attribute and under an alias, and not a static call."""
+    source = ("from .regions import Regions as R\n"
+              "t = transports.SplitReduce(c, False, R(), 'n')\n"
+              "owners = Regions.owners(i, b)\n")
+    assert _constructions(source) == {("SplitReduce", 2), ("Regions", 2)}

@@ -1,5 +1,7 @@
 """hvd_topk.DistributedOptimizer: bad input in one process; behaviour in real multi-rank jobs."""
+import dataclasses
 import re
+import warnings
 
 import pytest
 import torch
@@ -15,10 +17,16 @@ from conftest import (OutOf, assert_identical_across_ranks, assert_resume_bit_id
                       job, resume_jobs)
 
 
+SETTINGS = {f.name for f in dataclasses.fields(hvd_topk.OptimizerSettings)}
+
+
 def make(hvd, **kw):
+    """The optimizer of a small model; keywords that are ``OptimizerSettings``' fields go there."""
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
     base = kw.pop("base", None) or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return model, hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw)
+    settings = hvd_topk.OptimizerSettings(**{k: kw.pop(k) for k in list(kw) if k in SETTINGS})
+    return model, hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), settings=settings,
+                                                **kw)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -57,7 +65,8 @@ def test_groups_refuse_a_parameter_twice_and_map_to_keys(hvd):
     # lists: the parameters listed together; a group of one is no group; global selection leaves the
     # compressed tensors to its bucket
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        named_parameters=model.named_parameters(), selection="global",
+                                        named_parameters=model.named_parameters(),
+                                        settings=hvd_topk.OptimizerSettings(selection="global"),
                                         compression=TopKEF(min_numel=16),
                                         groups=[[w, model[0].bias, model[1].bias], [model[1].weight]])
     assert opt._hvd_topk.collectives.group_of == {"0.bias": 0, "1.bias": 0}
@@ -98,7 +107,7 @@ def test_momentum_correction_needs_momentum(hvd):
     for base in (torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)):
         with pytest.raises(ValueError, match="momentum_correction=True needs an optimizer with momentum"):
             hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                          momentum_correction=True)
+                                          settings=hvd_topk.OptimizerSettings(momentum_correction=True))
 
 
 def test_momentum_correction_is_off_by_default_and_checked(hvd):
@@ -109,13 +118,15 @@ def test_momentum_correction_is_off_by_default_and_checked(hvd):
     assert opt.param_groups[0]["momentum"] == 0.9
     with pytest.raises(ValueError, match="momentum_correction must be True or False, got 'yes'"):
         hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                      named_parameters=model.named_parameters(), momentum_correction="yes")
+                                      named_parameters=model.named_parameters(),
+                                      settings=hvd_topk.OptimizerSettings(momentum_correction="yes"))
 
 
 def test_momentum_correction_keeps_the_users_settings_visible_and_hides_them_from_the_inner_step(hvd):
     model = nn.Linear(4, 4)
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), momentum_correction=True)
+    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                        settings=hvd_topk.OptimizerSettings(momentum_correction=True))
     group = opt.param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.9, True, 1e-4)
     assert opt._hvd_topk.momentum.settings["weight"] == (0.9, 0.0, True, 1e-4)
@@ -198,7 +209,8 @@ def test_local_clipping_caps_each_gradient_norm(hvd):
     model = nn.Linear(64, 64, bias=False)
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                         named_parameters=model.named_parameters(),
-                                        compression=TopKEF(ratio=1.0), clip_grad_norm=0.5)
+                                        compression=TopKEF(ratio=1.0),
+                                        settings=hvd_topk.OptimizerSettings(clip_grad_norm=0.5))
     (model(torch.randn(8, 64)) * 1000).sum().backward()
     assert float(model.weight.grad.norm()) > 10
     opt.synchronize()
@@ -475,3 +487,88 @@ RESUMED_BY_THREE = job(3, "opt_train.py", "--steps", 10, "--resume", OutOf(SAVED
 def test_checkpoint_from_other_world_size_is_refused(results):
     with pytest.raises(JobFailed, match=r"no checkpoint for rank \d of 3"):
         results(RESUMED_BY_THREE)
+
+
+# -- the settings object, and the keywords it replaced ------------------------------------------------
+
+OLD_KEYWORDS = {   # (base optimizer, communication, every keyword the factory took before OptimizerSettings)
+    "gradient": ("sgd", "artopk", dict(momentum_correction=True, warmup_steps=2, warmup_epochs=1, dense_steps=1,
+                                       clip_grad_norm=0.5, selection="global", leader="var", value_dtype=torch.float16,
+                                       adaptive_ratio=None, adaptive_weight=0.5, auto_every=10)),
+    "update": ("adam", "allgather", dict(compress="update", local_momentum=False, dense_steps=2)),
+}
+
+
+def _train_six_steps(base_kind, communication, **spelling):
+    """Parameters after 6 steps of a small model (world size 1), and the DeprecationWarnings of the build."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if base_kind == "sgd" else \
+        torch.optim.Adam(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                            compression=TopKEF(ratio=0.05, min_numel=64), communication=communication,
+                                            **spelling)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        opt.zero_grad()
+        model(torch.randn(16, 32, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return [q.detach().clone() for q in model.parameters()], \
+        [str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)]
+
+
+@pytest.mark.parametrize("case", sorted(OLD_KEYWORDS))
+def test_old_keywords_warn_with_the_new_spelling_and_step_the_same_bits(hvd, case):
+    base_kind, communication, old = OLD_KEYWORDS[case]
+    new_params, new_warnings = _train_six_steps(base_kind, communication, settings=hvd_topk.OptimizerSettings(**old))
+    old_params, old_warnings = _train_six_steps(base_kind, communication, **old)
+    default_params, _ = _train_six_steps(base_kind, communication)
+    assert new_warnings == []
+    assert sorted(old_warnings) == sorted(f"hvd_topk.DistributedOptimizer({name}=...) is deprecated: pass "
+                                          f"settings=hvd_topk.OptimizerSettings({name}=...)" for name in old)
+    assert all(torch.equal(a, b) for a, b in zip(old_params, new_params))
+    assert not all(torch.equal(a, b) for a, b in zip(default_params, new_params))    # the settings took effect
+
+
+def test_an_old_keyword_goes_on_top_of_the_settings_and_an_unknown_one_is_refused(hvd):
+    model = nn.Linear(8, 16)
+
+    def build(**kw):
+        return hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(), **kw)
+    with pytest.warns(DeprecationWarning, match=r"OptimizerSettings\(warmup_steps=\.\.\.\)"):
+        opt = build(settings=hvd_topk.OptimizerSettings(dense_steps=3, warmup_steps=1), warmup_steps=4)
+    assert (opt._hvd_topk.schedule.dense_steps, opt._hvd_topk.schedule.warmup_steps) == (3, 4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'warmup'"):
+        build(warmup=4)
+    with pytest.raises(ValueError, match="settings must be a hvd_topk.OptimizerSettings or None"):
+        build(settings={"warmup_steps": 4})
+
+
+def test_optimizer_settings_are_frozen_and_checked_when_made():
+    settings = hvd_topk.OptimizerSettings(momentum_correction=None, warmup_epochs=4)
+    assert settings.momentum_correction is False and settings.warmup_epochs == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.warmup_epochs = 5
+    for bad, match in ((dict(selection="all"), "selection must be one of"),
+                       (dict(auto_every=1), "auto_every must be an integer >= 2"),
+                       (dict(adaptive_weight=-0.1), "adaptive_weight must be a finite number >= 0")):
+        with pytest.raises(ValueError, match=match):
+            hvd_topk.OptimizerSettings(**bad)
+
+
+def test_the_optimizer_reads_only_the_compressions_settings(hvd, monkeypatch):
+    """A TopKEF given to hvd_topk.DistributedOptimizer is never built: its hosts are never resolved
+    (the optimizer resolves its own), and only its settings reach the optimizer's transports."""
+    from hvd_topk.transports import build
+    resolved = []
+    monkeypatch.setattr(build, "resolve", lambda name, optional=False: resolved.append(name))
+    comp = TopKEF(ratio=0.02, min_numel=16, communication="hierarchical", budget=2.0)
+    model, opt = make(hvd, compression=comp)
+    assert comp.transports._stack is None
+    assert len(resolved) == 1 and resolved[0].startswith("hvd_topk.opt")
+    state = opt._hvd_topk
+    assert (state.schedule.ratio, state.min_numel, state.transports["split_reduce"].budget) == (0.02, 16, 2.0)
+    assert state.transports["hierarchical"] is state.transports["split_reduce"]      # no hosts: flat

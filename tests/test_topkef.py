@@ -55,11 +55,11 @@ def test_k_for_rounds_up_and_keeps_at_least_one():
 
 
 def test_class_usage_uses_default_instance_with_ratio_001(hvd):
-    assert TopKEF.default().ratio == 0.01
+    assert TopKEF.default().settings.ratio == TopKEF.settings.ratio == 0.01
     assert TopKEF.default() is TopKEF.default()
     g = torch.randn(5000)
     out, ctx = TopKEF.compress(g)
-    assert TopKEF.default().communication == "split_reduce"
+    assert TopKEF.default().settings.communication == "split_reduce"
     assert out.numel() == 4                              # Horovod reduces a token; split_reduce sends the values
     assert TopKEF.decompress(out, ctx).shape == g.shape
 
@@ -311,3 +311,56 @@ def test_token_reduced_over_another_process_set_names_process_set(op, members):
     for r in members:
         with pytest.raises(ValueError, match="other than TopKEF's process_set .*process_set=ps"):
             OpToken(_Ranks(4, r)).average(reduced, "w")
+
+
+# -- settings: made and kept, the transports built at the first compress --------------------------------
+
+def test_making_a_topkef_keeps_its_settings_and_builds_nothing_until_compress(hvd, monkeypatch):
+    """No collective at construction, not even 'hierarchical''s search for the hosts' process sets; a
+    checkpoint of an unbuilt TopKEF is a fresh one's, and one loaded into it waits for the build."""
+    import dataclasses
+
+    from hvd_topk import TopKSettings
+    from hvd_topk.transports import build
+    resolved = []
+    real_resolve = build.resolve
+    monkeypatch.setattr(build, "resolve", lambda name, optional=False: resolved.append(name) or real_resolve(
+        name, optional))
+    comp = TopKEF(ratio=0.05, min_numel=16, communication="hierarchical", budget=2)
+    assert comp.settings == TopKSettings(ratio=0.05, min_numel=16, communication="hierarchical", budget=2.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        comp.settings.ratio = 0.1
+    assert resolved == [] and comp.transports._stack is None
+    saved = comp.state_dict()
+    assert (saved["steps"], saved["next_indices"], saved["ratio"]) == ({}, {}, 0.05)
+    comp.load_state_dict(saved)
+    assert comp.transports._stack is None
+    roundtrip(comp, torch.randn(500))
+    assert len(resolved) == 1 and comp.transports._stack is not None
+    roundtrip(comp, torch.randn(500))
+    assert len(resolved) == 1                                  # built once
+
+
+def test_settings_of_a_kind_without_transports_are_refused_by_both_doors(hvd):
+    """A second compressor kind sits beside Top-K as its own CompressorSettings subclass; until the
+    factory has its builder, both doors refuse it with a ValueError naming the argument."""
+    from dataclasses import dataclass
+
+    import torch.nn as nn
+
+    import hvd_topk
+    from hvd_topk.settings import CompressorSettings
+    from hvd_topk.transports.build import build_transports
+
+    @dataclass(frozen=True)
+    class OtherSettings(CompressorSettings):
+        kind = "other"
+        rank: int = 4
+
+    class Other:
+        settings = OtherSettings()
+    with pytest.raises(ValueError, match=r"settings must be of a kind with transports \['topk'\]"):
+        build_transports(OtherSettings(), tag="t", key_index={})
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="compression must be TopKEF or a TopKEF instance"):
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=Other)

@@ -4,6 +4,7 @@ stepped on the same gradients (error-feedback invariant on the updates), on real
 (identical parameters, dense Horovod at ratio 1.0 for plain SGD, a non-finite rank skipping the step
 with every state untouched, bit-identical resume of the per-rank optimizer state)."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ from conftest import (assert_identical_across_ranks, assert_resume_bit_identical
 
 
 def make(model, base, **kw):
-    return hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw)
+    """Keywords that are ``OptimizerSettings``' fields go there."""
+    fields = {f.name for f in dataclasses.fields(hvd_topk.OptimizerSettings)}
+    settings = hvd_topk.OptimizerSettings(**{k: kw.pop(k) for k in list(kw) if k in fields})
+    return hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), settings=settings, **kw)
 
 
 @pytest.mark.parametrize("kw,match", [

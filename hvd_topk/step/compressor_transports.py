@@ -21,50 +21,63 @@
 The sums are taken as sums; ``receive`` divides by P when the token says Horovod averaged, with the
 same ``mul_(1/P)`` as the optimizer's transports.
 """
+import copy
 import math
 
 import torch
 from horovod.torch import mpi_ops
 
 from .op_token import TOKEN_SIZE, OpToken
-from ..transports import ARTopk, SparseAllgather, SplitReduce
-from ..transports.collectives import Collectives
-from ..transports.index_sets import IndexPipeline
-from ..transports.leaders import StarLeaders
-from ..transports.regions import Regions
-from ..transports.hierarchical import hierarchical_or_flat
+from ..transports import ARTopk
+from ..transports.build import build_transports
 
 __all__ = ["CompressorTransports"]
 
+OWN = ("split_reduce", "allgather", "hierarchical")     # the transports that start their own collectives
+
 
 class CompressorTransports:
-    """One ``TopKEF``'s transport state, per rank.
+    """One ``TopKEF``'s transport state, per rank, over the stack ``build_transports`` makes of its
+    settings. Made with its TopKEF, it builds nothing until first used (Horovod's first ``compress``;
+    ``'hierarchical'`` then finds the hosts' process sets, a collective): making a TopKEF runs no
+    collective, and a checkpoint loaded before that waits in ``_restored``.
 
     Args:
+        settings: the TopKEF's ``TopKSettings`` (communication, budget, sync_indices).
         tag: prefix of the collectives' names (identical on all ranks, distinct per TopKEF).
-        communication: ``'split_reduce'``, ``'allgather'``, ``'artopk'`` or ``'dense'``.
         key_index: key -> int, the same on every rank (STAR's leaders).
         process_set: the ranks Horovod reduces over.
         mismatch_hint: what the errors say when the ranks keyed a gradient differently.
-        sync_indices: artopk: share the current step's set with a blocking broadcast.
-        budget: split_reduce keeps budget * k sums.
     """
 
-    def __init__(self, tag, communication, key_index, process_set=mpi_ops.global_process_set, mismatch_hint="",
-                 sync_indices=False, budget=1.0):
-        self.communication, self.process_set = communication, process_set
+    def __init__(self, settings, *, tag, key_index, process_set=mpi_ops.global_process_set, mismatch_hint=""):
+        self.settings, self.tag, self.key_index, self.mismatch_hint = settings, tag, key_index, mismatch_hint
+        self.communication, self.process_set = settings.communication, process_set
         self.steps = {}                       # key -> artopk steps so far (same on all ranks)
         self.unchecked = set()                # artopk: keys restored with steps > 0, not yet sent a token
-        self.index_sets = IndexPipeline(f"{tag}.indices", sync=sync_indices, mismatch_hint=mismatch_hint,
-                                        process_set=process_set, on_leaders_differ=lambda: self.steps.clear())
-        self.artopk = ARTopk(self.index_sets, StarLeaders(key_index, process_set))
-        collectives = Collectives(f"{tag}.group", process_set=process_set)
-        self.own = {"split_reduce": SplitReduce(collectives, False, Regions(), f"{tag}.split",
-                                                mismatch_hint=mismatch_hint, budget=budget),
-                    "allgather": SparseAllgather(collectives, False, name=f"{tag}.allgather")}
-        if communication == "hierarchical":           # collective: finds the hosts' process sets
-            self.own["hierarchical"] = hierarchical_or_flat(self.own["split_reduce"], f"{tag}.hier", False)
         self.token = OpToken(process_set, mismatch_hint=mismatch_hint)
+        self._stack, self._own = None, None   # build_transports' stack, and its OWN transports
+        self._restored = None                 # the index sets and regions loaded before the stack was built
+
+    def _built(self):
+        if self._stack is None:
+            self._stack = build_transports(self.settings, tag=self.tag, key_index=self.key_index,
+                                           process_set=self.process_set, mismatch_hint=self.mismatch_hint,
+                                           on_leaders_differ=lambda: self.steps.clear())
+            self._own = {name: t for name, t in self._stack.transports.items() if name in OWN}
+            if self._restored is not None:
+                self._load_shared(self._restored)
+                self._restored = None
+        return self._stack
+
+    index_sets = property(lambda self: self._built().index_sets, doc="AR-Topk's ``IndexPipeline``.")
+    artopk = property(lambda self: self._built().transports["artopk"], doc="the ``ARTopk`` transport.")
+
+    @property
+    def own(self):
+        """name -> the transports of ``OWN`` that were built (with the stack, at first use)."""
+        self._built()
+        return self._own
 
     def before_gradient(self):
         """Before a step counter is read: if the ranks' counters differ (a rank joined an elastic job),
@@ -118,12 +131,23 @@ class CompressorTransports:
         self.steps.clear()
 
     def state_dict(self):
-        return {"steps": dict(self.steps), "next_indices": self.index_sets.state_dict(),
-                "regions": self.own["split_reduce"].regions.state_dict()}
+        if self._stack is None:               # nothing to build (or resolve) for it
+            shared = copy.deepcopy(self._restored or {"next_indices": {}, "regions": None})
+        else:
+            shared = {"next_indices": self.index_sets.state_dict(),
+                      "regions": self.own["split_reduce"].regions.state_dict()}
+        return {"steps": dict(self.steps), **shared}
 
     def load_state_dict(self, state):
         self.steps = dict(state["steps"])
         self.unchecked = set(self.steps)
-        self.index_sets.load_state_dict(state["next_indices"])
+        shared = {"next_indices": state["next_indices"], "regions": state.get("regions")}
+        if self._stack is None:
+            self._restored = copy.deepcopy(shared)
+        else:
+            self._load_shared(shared)
+
+    def _load_shared(self, shared):
+        self.index_sets.load_state_dict(shared["next_indices"])
         self.own["split_reduce"].forget()
-        self.own["split_reduce"].regions.load_state_dict(state.get("regions"))
+        self.own["split_reduce"].regions.load_state_dict(shared["regions"])

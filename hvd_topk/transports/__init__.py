@@ -14,6 +14,7 @@ per transport, each with what only it uses beside it:
   a ``SplitReduce`` of each shard's top-k across hosts, an allgather inside each host. Its hosts'
   process sets and the flat fallback (host_sets.py).
 - collectives.py: what they share on top of Horovod's public collectives (grouping, flags, agreement).
+- build.py: ``build_transports``, the one factory that makes a front door's transports from its settings.
 """
 from .base import Outcome, Started, Transport
 from .allgather import SparseAllgather

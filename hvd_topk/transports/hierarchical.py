@@ -26,19 +26,21 @@ every rank of the job returns None for the key (the step is skipped everywhere).
 
 Like split_reduce, every phase after the reduce-scatter runs at the first ``finish`` of a step, for
 every key in sorted order: ranks may have started their reduce-scatters in different orders.
+
+``hvd_topk.transports.build`` makes it over the hosts' process sets (``host_sets``), or hands out the
+flat ``SplitReduce`` instead where the job's hosts call for the fallback.
 """
 import math
 
 import torch
 from horovod.torch import mpi_ops
 
-from .collectives import Collectives, wait
+from .collectives import wait
 from ..core.sparsify import sq_norm_finite
 from .base import Outcome, Started
-from .host_sets import resolve
-from .split_reduce import SplitReduce, from_rows, to_rows
+from .split_reduce import from_rows, to_rows
 
-__all__ = ["Hierarchical", "hierarchical_or_flat", "shard_of"]
+__all__ = ["Hierarchical", "shard_of"]
 
 
 def shard_of(n, per_host, position, k):
@@ -154,16 +156,3 @@ class Hierarchical:
         acc[start:start + own.numel()] = own
         sent = None if sent is None else sent.to(acc.device) + start
         return Outcome(aggregate, sent, nominated[nominated != n].to(acc.device))
-
-
-def hierarchical_or_flat(flat, name, average, before_finish=None, optional=False):
-    """``Hierarchical`` over a ``SplitReduce`` like ``flat`` (its wire dtype, budget, stats and index
-    regions, which checkpoints save) across the hosts, or ``flat`` itself where the job's hosts call
-    for the flat fallback (``host_sets.resolve``; ``optional``: also where Horovod cannot have the
-    sets, silently). Collective: every rank builds it in the same order."""
-    sets = resolve(f"{name}.hosts", optional)
-    if sets is None:
-        return flat
-    inner = SplitReduce(Collectives(f"{name}.group", process_set=sets.cross), False, flat.regions,
-                        f"{name}.split", flat.value_dtype, flat.stats, flat.mismatch_hint, flat.budget)
-    return Hierarchical(sets, inner, average, name, before_finish)

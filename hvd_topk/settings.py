@@ -1,0 +1,125 @@
+"""The settings both front doors read, each kind in one small frozen dataclass.
+
+- ``TopKSettings``: what Top-K with error feedback is configured with. ``TopKEF(...)`` only checks and
+  keeps one (``comp.settings``; the class ``TopKEF`` holds the defaults), and
+  ``hvd_topk.DistributedOptimizer(compression=...)`` reads nothing else of the compressor.
+- ``OptimizerSettings``: the optimizer's seldom-tuned settings (DGC's schedule and corrections, what is
+  compressed, the wire, the automatic choices), grouped as torch's ``PowerSGDState`` groups its slots,
+  so that the factory's own arguments stay Horovod's.
+
+Every compressor kind has its own settings class, a subclass of ``CompressorSettings`` whose ``kind``
+names it; ``hvd_topk.transports.build`` builds the transports of each kind from it. Every field is
+checked when the settings are made: a bad value raises ValueError naming the field and its accepted
+range (``hvd_topk.arguments``), before anything collective starts.
+"""
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from .arguments import check_optimizer_settings, check_topk_settings
+
+__all__ = ["CompressorSettings", "TopKSettings", "OptimizerSettings", "with_old_keywords"]
+
+
+@dataclass(frozen=True)
+class CompressorSettings:
+    """What one kind of compressor is configured with; ``kind`` names the kind (a subclass per kind)."""
+    kind: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class TopKSettings(CompressorSettings):
+    """Top-K with error feedback (``TopKEF``'s arguments of the same names).
+
+    Args:
+        ratio: fraction of elements kept per tensor, in (0, 1]; 1.0 sends everything.
+        min_numel: tensors with fewer elements go dense, int >= 0.
+        communication: the transport, one of ``hvd_topk.arguments.STOCK_COMMUNICATIONS``.
+        budget: split_reduce keeps the largest ``budget * k`` summed entries, >= 1.
+        sync_indices: artopk: share the current step's index set by a blocking broadcast.
+
+    Example:
+        >>> TopKSettings(ratio=0.001).min_numel
+        1024
+    """
+    kind: ClassVar[str] = "topk"
+    ratio: float = 0.01
+    min_numel: int = 1024
+    communication: str = "split_reduce"
+    budget: float = 1.0
+    sync_indices: bool = False
+
+    def __post_init__(self):
+        for name, value in check_topk_settings(self).items():
+            object.__setattr__(self, name, value)       # checked and normalised (float, int, bool)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """``hvd_topk.DistributedOptimizer``'s seldom-tuned settings (docs/optimizer.md has each in full).
+
+    Args:
+        momentum_correction: DGC momentum correction + factor masking (SGD with momentum only).
+        warmup_steps: DGC warm-up over this many steps, int >= 0.
+        warmup_epochs: the same per epoch (``opt.set_epoch(epoch)``), int >= 0.
+        dense_steps: the first steps send every element (dense Horovod), int >= 0.
+        clip_grad_norm: DGC local clipping of each gradient to this norm / sqrt(size), > 0, or None.
+        selection: ``'layerwise'`` (a top-k per tensor) or ``'global'`` (one over all, at synchronize()).
+        compress: ``'gradient'`` or ``'update'`` (error feedback on every rank's own optimizer update).
+        local_momentum: with ``compress='update'``, False steps the optimizer without its momentum.
+        leader: AR-Topk's leader, ``'star'`` (round robin) or ``'var'`` (largest accumulators).
+        value_dtype: floating dtype of the values on the wire, or None (the gradient's).
+        adaptive_ratio: None/False, True or (low, high): the ratio moves among candidates (``hvd_topk.auto``).
+        adaptive_weight: exponent of the gain in the adaptive ratio's objective, >= 0; None: 0.3 (measured).
+        auto_every: steps between the automatic checks, int >= 2.
+
+    Example:
+        >>> OptimizerSettings(warmup_epochs=4).selection
+        'layerwise'
+    """
+    # DGC: the density schedule and the local corrections
+    momentum_correction: bool = False
+    warmup_steps: int = 0
+    warmup_epochs: int = 0
+    dense_steps: int = 0
+    clip_grad_norm: Optional[float] = None
+    # what goes through error feedback, and how it is selected
+    selection: str = "layerwise"
+    compress: str = "gradient"
+    local_momentum: bool = True
+    # the wire
+    leader: str = "star"
+    value_dtype: Optional[torch.dtype] = None
+    # the automatic choices (hvd_topk.auto)
+    adaptive_ratio: object = None
+    adaptive_weight: Optional[float] = None
+    auto_every: int = 50
+
+    def __post_init__(self):
+        object.__setattr__(self, "momentum_correction", check_optimizer_settings(self))
+
+
+def with_old_keywords(settings, keywords):
+    """``settings`` (None: the defaults) with the optimizer's old keyword arguments applied on top, each
+    with a DeprecationWarning that names the new spelling; TypeError for a keyword that never existed.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     with_old_keywords(None, {"warmup_steps": 5}).warmup_steps
+        5
+    """
+    settings = OptimizerSettings() if settings is None else settings
+    if not isinstance(settings, OptimizerSettings):
+        raise ValueError(f"settings must be a hvd_topk.OptimizerSettings or None, got {settings!r}")
+    fields = {f.name for f in dataclasses.fields(OptimizerSettings)}
+    for name in keywords:
+        if name not in fields:
+            raise TypeError(f"DistributedOptimizer() got an unexpected keyword argument {name!r}")
+        warnings.warn(f"hvd_topk.DistributedOptimizer({name}=...) is deprecated: pass "
+                      f"settings=hvd_topk.OptimizerSettings({name}=...)", DeprecationWarning, stacklevel=3)
+    return dataclasses.replace(settings, **keywords) if keywords else settings
