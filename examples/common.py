@@ -33,6 +33,7 @@ import time
 import horovod.torch as hvd
 import torch
 
+import hvd_topk
 import hvd_topk.step.stats
 
 __all__ = ["add_compression_args", "add_run_args", "check_compression_args", "hvd_topk_options",
@@ -113,8 +114,9 @@ def check_compression_args(parser, args):
 
 def hvd_topk_options(args):
     """hvd_topk.DistributedOptimizer's keyword arguments from the flags of ``add_compression_args``,
-    all but ``named_parameters`` and ``compression``; on rank 0, turns on the log of automatic
-    decisions (--adaptive-ratio, --communication auto).
+    all but ``named_parameters`` and ``compression``: ``communication``, ``groups`` and the
+    ``settings`` (``hvd_topk.OptimizerSettings``); on rank 0, turns on the log of automatic decisions
+    (--adaptive-ratio, --communication auto).
 
     Example (``args`` from this file's parser)::
 
@@ -124,16 +126,12 @@ def hvd_topk_options(args):
     if hvd.rank() == 0 and (args.adaptive_ratio or args.communication == "auto"):
         logging.basicConfig(format="%(message)s")
         logging.getLogger("hvd_topk").setLevel(logging.INFO)     # rank 0 logs each auto decision
-    options = dict(
-        communication=args.communication, leader=args.leader, warmup_epochs=args.warmup_epochs,
-        dense_steps=args.dense_steps, selection=args.selection,
-        momentum_correction=args.momentum_correction == "on",
-        adaptive_ratio=True if args.adaptive_ratio else None, auto_every=args.auto_every, compress=args.compress,
-        local_momentum=args.local_momentum == "on",
-        value_dtype=torch.float16 if args.value_dtype == "float16" else None, groups=args.groups or None)
-    if args.adaptive_weight is not None:
-        options["adaptive_weight"] = args.adaptive_weight
-    return options
+    settings = hvd_topk.OptimizerSettings(
+        leader=args.leader, warmup_epochs=args.warmup_epochs, dense_steps=args.dense_steps, selection=args.selection,
+        momentum_correction=args.momentum_correction == "on", adaptive_ratio=True if args.adaptive_ratio else None,
+        adaptive_weight=args.adaptive_weight, auto_every=args.auto_every, compress=args.compress,
+        local_momentum=args.local_momentum == "on", value_dtype=torch.float16 if args.value_dtype == "float16" else None)
+    return dict(communication=args.communication, groups=args.groups or None, settings=settings)
 
 
 def loopback_tx_bytes():

@@ -36,7 +36,8 @@ x_train, x_test = x_train.flatten(1), x_test.flatten(1)
 model = nn.Sequential(nn.Linear(x_train.shape[1], 256), nn.ReLU(), nn.Linear(256, 10))
 opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
                                     named_parameters=model.named_parameters(),
-                                    compression=TopKEF(ratio=args.ratio, min_numel=1024), warmup_steps=20)
+                                    compression=TopKEF(ratio=args.ratio, min_numel=1024),
+                                    settings=hvd_topk.OptimizerSettings(warmup_steps=20))
 sampler = hvd.elastic.ElasticSampler(torch.utils.data.TensorDataset(x_train, y_train), shuffle=True, seed=0)
 loader = torch.utils.data.DataLoader(sampler.dataset, batch_size=args.batch_size, sampler=sampler)
 

@@ -41,7 +41,7 @@ def check_sets():
     """The error without sets, then the sets added dynamically: (error text, the sums over the sets)."""
     hvd.init()
     try:
-        hvd_topk.TopKEF(communication="hierarchical")
+        hvd_topk.TopKEF(communication="hierarchical").transports.own    # built (the hosts' sets found) at first use
         error = None
     except ValueError as e:
         error = str(e)
@@ -76,7 +76,7 @@ with warnings.catch_warnings(record=True) as seen:
         if front_door == "opt":
             opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                                 compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=64),
-                                                communication="hierarchical", momentum_correction=False)
+                                                communication="hierarchical")
             residuals, transport = opt._hvd_topk.residuals.residuals, opt._hvd_topk.transports["hierarchical"]
         else:
             comp = hvd_topk.TopKEF(ratio=args.ratio, min_numel=64, named_parameters=model.named_parameters(),

@@ -93,15 +93,15 @@ else:
     opt = hvd_topk.DistributedOptimizer(
         base, named_parameters=model.named_parameters(),
         compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=args.min_numel), op=op,
-        backward_passes_per_step=args.bpps, communication=args.communication, leader=args.leader,
-        selection=args.selection,
-        momentum_correction={"auto": args.optimizer == "sgd" and args.momentum > 0 and args.compress == "gradient",
-                             "on": True, "off": False}[args.mc],
-        warmup_steps=args.warmup_steps, dense_steps=args.dense_steps, clip_grad_norm=args.clip, grad_scaler=scaler,
-        value_dtype=None if args.value_dtype == "none" else torch.float16,
-        adaptive_ratio=True if args.adaptive_ratio else None, adaptive_weight=args.adaptive_weight,
-        auto_every=args.auto_every, compress=args.compress, local_momentum=args.local_momentum == "on",
-        groups=args.groups or None)
+        backward_passes_per_step=args.bpps, groups=args.groups or None, communication=args.communication,
+        grad_scaler=scaler, settings=hvd_topk.OptimizerSettings(
+            leader=args.leader, selection=args.selection,
+            momentum_correction={"auto": args.optimizer == "sgd" and args.momentum > 0 and args.compress == "gradient",
+                                 "on": True, "off": False}[args.mc],
+            warmup_steps=args.warmup_steps, dense_steps=args.dense_steps, clip_grad_norm=args.clip,
+            value_dtype=None if args.value_dtype == "none" else torch.float16,
+            adaptive_ratio=True if args.adaptive_ratio else None, adaptive_weight=args.adaptive_weight,
+            auto_every=args.auto_every, compress=args.compress, local_momentum=args.local_momentum == "on"))
     if hvd.rank() == args.skew_clock_rank:      # decisions must not depend on one rank's timings
         opt._hvd_topk.clock = lambda: 5.0 * time.perf_counter()
 start = 0

@@ -30,8 +30,9 @@ model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh()
 named = list(model.named_parameters())
 base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 if args.column == "hvd_topk":
-    opt = hvd_topk.DistributedOptimizer(base, named_parameters=named, process_set=mine, leader=args.leader,
-                                        compression=TopKEF(ratio=args.ratio, min_numel=16))
+    opt = hvd_topk.DistributedOptimizer(base, named_parameters=named, process_set=mine,
+                                        compression=TopKEF(ratio=args.ratio, min_numel=16),
+                                        settings=hvd_topk.OptimizerSettings(leader=args.leader))
 else:
     compression = hvd.Compression.none if args.column == "dense" else \
         TopKEF(ratio=args.ratio, min_numel=16, named_parameters=named, process_set=mine)

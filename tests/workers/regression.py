@@ -69,7 +69,9 @@ def train(kind, options):
     else:
         opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                             compression=hvd_topk.TopKEF(ratio=ratio, min_numel=64), op=op,
-                                            backward_passes_per_step=passes, **options)
+                                            backward_passes_per_step=passes, communication=options.pop("communication"),
+                                            groups=options.pop("groups", None),
+                                            settings=hvd_topk.OptimizerSettings(**options))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))

@@ -34,9 +34,9 @@ shapes = {"a": (37, 53), "b": (64, 31), "bias": (40,)}
 params = {name: torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for name, shape in shapes.items()}
 opt = hvd_topk.DistributedOptimizer(
     torch.optim.SGD(params.values(), lr=0.01), named_parameters=params.items(),
-    compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=16), communication="split_reduce",
-    selection=args.selection, value_dtype=None if args.value_dtype == "none" else torch.float16,
-    groups=args.groups or None)
+    compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=16), groups=args.groups or None,
+    communication="split_reduce", settings=hvd_topk.OptimizerSettings(
+        selection=args.selection, value_dtype=None if args.value_dtype == "none" else torch.float16))
 opt._hvd_topk.transports["split_reduce"].regions.rebalance_every = args.rebalance_every
 
 records = []

@@ -29,7 +29,8 @@ def build(i):
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                         named_parameters=model.named_parameters(),   # same names in both
                                         compression=hvd_topk.TopKEF(ratio=0.05, min_numel=64),
-                                        communication="artopk", leader="var")
+                                        communication="artopk",
+                                        settings=hvd_topk.OptimizerSettings(leader="var"))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return model, opt
 
