@@ -121,6 +121,8 @@ class CompressorTransports:
         outcome = started.finish()
         if outcome.aggregate is not None and average:
             outcome.aggregate.mul_(1.0 / self.process_set.size())
+        if outcome.residual is not None:              # the transport computed the residual itself
+            return outcome.aggregate, outcome.residual
         return outcome.aggregate, None if outcome.sent is None else acc.index_fill_(0, outcome.sent, 0)
 
     def forget(self):

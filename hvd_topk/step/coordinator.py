@@ -7,7 +7,7 @@
 2. The step's last compressed tensor starts sharing AR-Topk's next index sets, in the same Horovod
    cycle as the values (after ``synchronize`` would be a cycle later).
 3. ``done()`` waits for the transport and hands back the aggregate as the gradient; the new residual
-   (acc with the sent entries zeroed) and velocity are queued.
+   (acc with the sent entries zeroed, or the transport's own ``Outcome.residual``) and velocity are queued.
 4. ``end_step()`` commits what was queued only if every rank was finite (read from aggregated values, so
    the decision is the same everywhere), advances the step and the schedule, and lets the tuner and the
    VAR leaders act. Everything a decision reads is identical on all ranks.
@@ -131,7 +131,8 @@ class StepCoordinator:
         acc, finish = pending
         out = finish()
         if out.aggregate is not None:
-            residual = None if out.sent is None else acc.index_fill_(0, out.sent, 0)
+            residual = out.residual if out.residual is not None else \
+                None if out.sent is None else acc.index_fill_(0, out.sent, 0)
             self.commits.add(lambda: self.residuals.update(key, residual))
         return out.aggregate, out.sent if out.selected is None else out.selected
 
