@@ -7,8 +7,9 @@ exactly as ``python script args`` would, in the same order, so entry i's collect
 before entry i+1 starts. Scripts that call ``hvd.init()`` again get the running Horovod (Horovod
 ignores a second ``init``); scripts that shut Horovod down, or need their own environment, cannot share a job.
 
-A failing entry ends the job (``os._exit(1)``): the other ranks may wait in its collectives, and only
-ending the job frees them. Marks written before and after each entry tell the launcher which entry
+A failing entry ends the job (the rank exits as the script alone would, with status 1, its exit
+handlers shutting Horovod down): the other ranks may wait in its collectives, and only ending the job
+frees them. Marks written before and after each entry tell the launcher which entry
 failed; ``run_batch`` reports that one as failed and starts a new job for the entries after it.
 Each rank also prints a line as each entry starts, so that the job's output can be cut into each
 entry's part (``run_entries``).
@@ -33,6 +34,7 @@ __all__ = ["run_batch", "run_entries", "EntryOutcome"]
 ENTRY_STARTS = "batch entry {} starts"
 _STARTS = re.compile(r"batch entry (\d+) starts$")
 _RANK_PREFIX = re.compile(r"^\[\d+\]<\w+>:")      # horovodrun's "[rank]<stdout>:" before each line
+EXIT_GRACE_S = 30       # a failed entry's rank ends by then, exit handlers or not
 LAUNCH_S = 60           # a launch's own seconds (launcher, imports, rendezvous) beyond its entries' time
 
 
@@ -43,12 +45,13 @@ class EntryOutcome(NamedTuple):
         output is this entry's part of the job's output).
     output: this entry's part of its job's output (each rank's lines from the entry's start mark to
         the next entry's).
-    seconds: from the entry's start on its first rank to its end on the last, or to the end of the
-        job it failed in; None if it never started.
+    started, ended: ``time.time()`` of the entry's start on its first rank and of its end on the last,
+        or of the end of the job it failed in; None if it never started.
     """
     failure: Optional[Exception]
     output: str
-    seconds: Optional[float]
+    started: Optional[float]
+    ended: Optional[float]
 
 
 def _mark(marks, index, what):
@@ -72,6 +75,16 @@ def _torch_defaults_kept():
             torch.set_grad_enabled(saved[2])
 
 
+def _exit_as_a_script_would():
+    """End this rank as the failed script would have ended alone: a normal exit with status 1, whose
+    exit handlers shut Horovod down, so that the other ranks see it (and report their own errors, not
+    only the launcher's kill). An exit that hangs (a thread that never ends) is cut short with its stacks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
+    raise SystemExit(1)
+
+
 def _run_entries(plan_path):
     """Run every entry of the plan in order on this rank; exit the process at the first failure."""
     with open(plan_path) as f:
@@ -92,13 +105,11 @@ def _run_entries(plan_path):
         except SystemExit as stop:              # argparse's --help, or a script's own exit
             if stop.code not in (None, 0):
                 print(f"batch entry {index} ({' '.join(argv)}) exited with {stop.code}", flush=True)
-                sys.stdout.flush()
-                os._exit(1)
+                _exit_as_a_script_would()
         except BaseException:                   # noqa: B902  (whatever it was, the job must end)
             traceback.print_exc()
             print(f"batch entry {index} ({' '.join(argv)}) failed", flush=True)
-            sys.stderr.flush()
-            os._exit(1)
+            _exit_as_a_script_would()
         faulthandler.cancel_dump_traceback_later()
         _mark(plan["marks"], index, "done")
 
@@ -152,7 +163,7 @@ def run_entries(np, entries, timeout_each=240, **launch):
     timeouts = list(timeout_each) if isinstance(timeout_each, (list, tuple)) else [timeout_each] * len(entries)
     if len(timeouts) != len(entries) or not all(t > 0 for t in timeouts):
         raise ValueError(f"timeout_each: one number > 0 or one per entry ({len(entries)}), got {timeout_each!r}")
-    outcome = [EntryOutcome(None, "", None)] * len(entries)
+    outcome = [EntryOutcome(None, "", None, None)] * len(entries)
     pending = list(range(len(entries)))
     while pending:
         with tempfile.TemporaryDirectory(prefix="batch-") as marks:
@@ -176,17 +187,18 @@ def run_entries(np, entries, timeout_each=240, **launch):
             for index in range(min(done + 1, len(pending))):
                 started = _mark_times(marks, index, "started")
                 end = max(_mark_times(marks, index, "done")) if index < done else ended
-                outcome[pending[index]] = EntryOutcome(None, parts[index], end - min(started) if started else None)
+                outcome[pending[index]] = EntryOutcome(None, parts[index], *((min(started), end) if started else
+                                                                             (None, None)))
             if failed is None:
                 return outcome
-            if outcome[pending[done]].seconds is not None:      # the entry it failed in had started
+            if outcome[pending[done]].started is not None:      # the entry it failed in had started
                 argv = " ".join(map(str, entries[pending[done]]))
                 outcome[pending[done]] = outcome[pending[done]]._replace(failure=JobFailed(
                     f"{str(failed).splitlines()[0]} (in batch entry {argv})", parts[done]))
                 pending = pending[done + 1:]
             else:                               # nothing started: the launch itself failed
                 for i in pending:
-                    outcome[i] = EntryOutcome(failed, text, None)
+                    outcome[i] = EntryOutcome(failed, text, None, None)
                 pending = []
     return outcome
 

@@ -19,7 +19,9 @@ from hvd_topk.auto.recheck import choose_ratio
 from hvd_topk.auto.tuner import AutoTuner
 from hvd_topk.core.sparsify import topk_energies
 
-from conftest import assert_identical_across_ranks, job
+from testbed.pytest_jobs import job
+
+from conftest import assert_identical_across_ranks
 
 FAST = Costs(alpha=1e-5, beta=1e-11, select_s=1e-9, pass_s=1e-10)       # 100 GB/s-class link
 SLOW = Costs(alpha=1e-4, beta=8e-8, select_s=1e-9, pass_s=1e-10)        # 100 Mbit/s
@@ -517,18 +519,22 @@ def test_ratio_one_auto_reproduces_dense_horovod(results):
         torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
 
 
-def test_three_ranks_with_skewed_clock_take_identical_decisions(run_ranks):
+SKEWED_CLOCK = job(3, "opt_train.py", "--communication", "auto", "--adaptive-ratio", "--auto-every", 5, "--steps", 60,
+                   "--width", 256, "--min-numel", 64, "--skew-clock-rank", 1, timeout=300)
+
+
+@pytest.mark.jobs(SKEWED_CLOCK)
+def test_three_ranks_with_skewed_clock_take_identical_decisions(results):
     """Rank 1's step clock runs 5x fast: every decision (transport plan, ratio, history) is still the
     same on every rank, since only agreed (allreduced, then broadcast) numbers enter them."""
-    results = run_ranks(3, "opt_train.py", "--communication", "auto", "--adaptive-ratio", "--auto-every", 5,
-                        "--steps", 60, "--width", 256, "--min-numel", 64, "--skew-clock-rank", 1, timeout=300)
-    assert_identical_across_ranks(results)
-    auto = [r["auto"] for r in results]
+    ranks = results(SKEWED_CLOCK)
+    assert_identical_across_ranks(ranks)
+    auto = [r["auto"] for r in ranks]
     assert auto[0]["history"] and auto[0]["costs"]["beta"] > 0
     for r in (1, 2):
         assert auto[r] == auto[0], f"rank {r} decided differently"
-    ratios = [s["ratio"] for s in results[0]["stats"]]
+    ratios = [s["ratio"] for s in ranks[0]["stats"]]
     for r in (1, 2):
-        assert [s["ratio"] for s in results[r]["stats"]] == ratios
-        assert [s["density"] for s in results[r]["stats"]] == [s["density"] for s in results[0]["stats"]]
+        assert [s["ratio"] for s in ranks[r]["stats"]] == ratios
+        assert [s["density"] for s in ranks[r]["stats"]] == [s["density"] for s in ranks[0]["stats"]]
     assert set(ratios) <= {0.1, 0.03, 0.01, 0.003, 0.001}

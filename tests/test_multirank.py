@@ -1,13 +1,13 @@
 """Real multi-rank jobs (horovodrun --gloo, mpirun) with TopKEF in stock hvd.DistributedOptimizer."""
 import re
-import time
 
 import pytest
 import torch
 
 from testbed.launch import JobFailed
+from testbed.pytest_jobs import job
 
-from conftest import assert_identical_across_ranks, job
+from conftest import assert_identical_across_ranks
 
 
 def dense_and_ratio_one(*common):
@@ -93,22 +93,34 @@ def test_nan_on_one_rank_skips_step_everywhere_and_keeps_residuals(results):
         assert all(torch.isfinite(v).all() for v in res["residuals"].values() if v is not None)
 
 
-def test_a_failing_rank_fails_the_job_instead_of_hanging(run_ranks):
-    with pytest.raises(JobFailed, match="injected failure|exited"):
-        run_ranks(2, "train.py", "--steps", 10, "--crash-rank", 1, timeout=120)
+CRASH_ON_RANK_ONE = job(2, "train.py", "--steps", 10, "--crash-rank", 1, timeout=120, fails=True)
 
 
-def test_layer_frozen_mid_run_raises_instead_of_mixing_residuals(run_ranks):
+@pytest.mark.jobs(CRASH_ON_RANK_ONE)
+def test_a_failing_rank_fails_the_job_instead_of_hanging(results):
+    with pytest.raises(JobFailed, match="injected failure"):
+        results(CRASH_ON_RANK_ONE)
+    assert results.run(CRASH_ON_RANK_ONE).seconds < 60
+
+
+FROZEN_MID_RUN = job(2, "train.py", "--steps", 10, "--freeze-step", 5, "--ratio", 0.1, timeout=120, fails=True)
+
+
+@pytest.mark.jobs(FROZEN_MID_RUN)
+def test_layer_frozen_mid_run_raises_instead_of_mixing_residuals(results):
     with pytest.raises(JobFailed, match="sequence of gradients changed"):
-        run_ranks(2, "train.py", "--steps", 10, "--freeze-step", 5, "--ratio", 0.1, timeout=120)
+        results(FROZEN_MID_RUN)
 
 
-def test_one_allgather_per_step_gives_every_rank_each_leaders_index_set(run_ranks):
+INDEX_SETS = job(4, "index_sets.py", "--steps", 6)
+
+
+@pytest.mark.jobs(INDEX_SETS)
+def test_one_allgather_per_step_gives_every_rank_each_leaders_index_set(results):
     """IndexPipeline on 4 ranks with 3 keys: each step one rank leads two sets, one leads one and two
     lead none (empty blocks in the allgather); odd ranks pick in reverse key order; every rank still
     gets each leader's set."""
-    results = run_ranks(4, "index_sets.py", "--steps", 6)
-    for res in results:
+    for res in results(INDEX_SETS):
         assert len(res["checks"]) == 5 * 3
         assert all(c["equal"] for c in res["checks"]), [c for c in res["checks"] if not c["equal"]]
         assert {c["leader"] for c in res["checks"]} == {0, 1, 2, 3}
@@ -130,21 +142,26 @@ def test_named_topkef_holds_when_ranks_use_different_parameters(results):
     assert_identical_across_ranks(results(UNEVEN["sparse"]))
 
 
-@pytest.mark.parametrize("form", ["positional", "class"])
-def test_positional_topkef_refuses_ranks_that_order_gradients_differently(run_ranks, form):
+@pytest.mark.parametrize("refused", [
+    # the class form keeps its state in the class, for the life of the process: a launch of its own
+    job(2, "uneven_params.py", "--compression", form, timeout=90, fails=True, alone=form == "class")
+    for form in ("positional", "class")], ids=["positional", "class"])
+def test_positional_topkef_refuses_ranks_that_order_gradients_differently(results, refused):
     """Without names, TopKEF keys gradients by position; the ranks' orders differ here, so every rank
     raises, naming the fix, within seconds (it used to hang until killed)."""
-    t0 = time.monotonic()
     with pytest.raises(JobFailed) as failed:
-        run_ranks(2, "uneven_params.py", "--compression", form, timeout=90)
-    assert time.monotonic() - t0 < 60
+        results(refused)
+    assert results.run(refused).seconds < 60
     for rank in (0, 1):
         lines = [line for line in failed.value.output.splitlines() if line.startswith(f"[{rank}]")]
         assert any("named_parameters=model.named_parameters()" in line for line in lines), f"rank {rank}"
 
 
-# its own launch: a launch shared with jobs that ran hvd.init() without process sets cannot register one
-OUTSIDE_SET_GIVEN = job(3, "outside_set.py", "--compression", "positional", "--topkef-set", "optimizer", alone=True)
+# A launch of their own: one shared with jobs that ran hvd.init() without process sets cannot register
+# one. They all register the same set {0, 1}, so they share theirs.
+OUTSIDE_SET = "process set {0, 1} of 3"
+OUTSIDE_SET_GIVEN = job(3, "outside_set.py", "--compression", "positional", "--topkef-set", "optimizer",
+                        alone=OUTSIDE_SET)
 
 
 @pytest.mark.jobs(OUTSIDE_SET_GIVEN)
@@ -157,10 +174,18 @@ def test_positional_topkef_given_the_optimizers_process_set_trains_within_it(res
     assert not torch.equal(ranks[2]["params"]["0.weight"], ranks[0]["params"]["0.weight"])
 
 
-@pytest.mark.parametrize("form,communication", [("positional", "split_reduce"), ("class", "split_reduce"),
-                                                ("positional", "artopk"),
-                                                pytest.param("named", "split_reduce", marks=pytest.mark.slow)])
-def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(run_ranks, form, communication):
+def outside_set_refused(form, communication):
+    # the class form keeps its state in the class, for the life of the process: a launch of its own
+    return job(3, "outside_set.py", "--compression", form, "--topkef-set", "none", "--communication", communication,
+               timeout=150, fails=True, alone=True if form == "class" else OUTSIDE_SET)
+
+
+@pytest.mark.parametrize("refused", [outside_set_refused("positional", "split_reduce"),
+                                     outside_set_refused("class", "split_reduce"),
+                                     outside_set_refused("positional", "artopk"),
+                                     pytest.param(outside_set_refused("named", "split_reduce"), marks=pytest.mark.slow)],
+                         ids=["positional-split_reduce", "class-split_reduce", "positional-artopk", "named-split_reduce"])
+def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(results, refused):
     """The optimizer reduces within {0, 1} of 3 ranks; TopKEF is not given that set (the class form
     cannot be), so its collectives span rank 2, which never joins them. Ranks 0 and 1 raise at the
     first step, naming process_set; rank 2 carries on to its next global collective, which they never
@@ -168,9 +193,8 @@ def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(run_ranks,
     timeout then fails it here too: the job ends long after the first error). artopk's collective (the
     index sets' allgather) starts at the end of the first step and is first waited for in the second."""
     with pytest.raises(JobFailed) as failed:
-        run_ranks(3, "outside_set.py", "--compression", form, "--topkef-set", "none",
-                  "--communication", communication, timeout=150)
-    ended = time.time()
+        results(refused)
+    ended = results.run(refused).ended
     output = failed.value.output
     raised_at = []
     for rank in (0, 1):

@@ -10,6 +10,7 @@ import torch
 
 from hvd_topk.transports.regions import Regions
 from hvd_topk.transports.split_reduce import from_rows, to_rows
+from testbed.pytest_jobs import job
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -52,11 +53,15 @@ def test_regions_with_nothing_kept_stay_equal():
     assert Regions._balanced(torch.zeros(8, dtype=torch.int64), 80, 4).tolist() == [0, 20, 40, 60, 80]
 
 
-def _records(results):
-    return [res["records"] for res in results]
+def _records(ranks):
+    return [res["records"] for res in ranks]
 
 
-def test_skewed_gradients_give_the_exact_global_topk_and_exact_error_feedback(run_ranks):
+SKEWED = job(3, "split_reduce.py", "--skew", "--steps", 12)
+
+
+@pytest.mark.jobs(SKEWED)
+def test_skewed_gradients_give_the_exact_global_topk_and_exact_error_feedback(results):
     """3 ranks, float64: only rank 0 holds large entries, all in one owner's region at first.
 
     - step 0: the aggregate is exactly the global top-k of the sum: each index's value is the sum of
@@ -68,9 +73,8 @@ def test_skewed_gradients_give_the_exact_global_topk_and_exact_error_feedback(ru
     - the busiest owner keeps everything at first (imbalance 3.0); after the regions are rebalanced
       (every 4 steps here) the imbalance is reported below 1.6.
     """
-    results = run_ranks(3, "split_reduce.py", "--skew", "--steps", 12)
-    ranks = len(results)
-    per_rank = _records(results)
+    per_rank = _records(results(SKEWED))
+    ranks = len(per_rank)
     for t in range(12):
         for name in per_rank[0][t]["aggregate"]:
             for r in range(1, ranks):
@@ -111,22 +115,24 @@ def test_skewed_gradients_give_the_exact_global_topk_and_exact_error_feedback(ru
     assert all(rec["stats"]["split_kept"] <= 2 * max(1, int(-(-0.02 * 2000 // 1))) for rec in per_rank[0])
 
 
-@pytest.mark.parametrize("np,extra", [(4, ["--groups", "1", "--value-dtype", "float16", "--dtype", "float32"]),
-                                      (2, ["--selection", "global", "--ratio", "0.01"])])
-def test_grouped_float16_and_global_jobs_agree_on_every_rank(run_ranks, np, extra):
+@pytest.mark.parametrize("agreeing", [
+    job(np, "split_reduce.py", "--steps", 8, *extra)
+    for np, extra in [(4, ["--groups", "1", "--value-dtype", "float16", "--dtype", "float32"]),
+                      (2, ["--selection", "global", "--ratio", "0.01"])]], ids=["4-extra0", "2-extra1"])
+def test_grouped_float16_and_global_jobs_agree_on_every_rank(results, agreeing):
     """Horovod's groups (a dense tensor's grouped allreduce is pending while split_reduce adds its
     collectives), float16 values on 4 ranks and global selection on 2: no hang, aggregates and
     parameters identical on every rank, something kept every step."""
-    results = run_ranks(np, "split_reduce.py", "--steps", 8, *extra)
-    per_rank = _records(results)
+    ranks = results(agreeing)
+    per_rank = _records(ranks)
     for t in range(8):
         aggregates = [rec[t]["aggregate"] for rec in per_rank]
         for name in aggregates[0]:
             assert all(torch.equal(a[name], aggregates[0][name]) for a in aggregates[1:]), (t, name)
         assert aggregates[0]["a"].count_nonzero() > 0
     assert all(per_rank[0][t]["stats"]["split_kept"] > 0 for t in range(8))
-    for res in results[1:]:
-        assert all(torch.equal(value, res["params"][name]) for name, value in results[0]["params"].items())
+    for res in ranks[1:]:
+        assert all(torch.equal(value, res["params"][name]) for name, value in ranks[0]["params"].items())
 
 
 def test_the_cost_model_counts_the_histogram_the_transport_sends():
