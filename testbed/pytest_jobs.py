@@ -52,14 +52,16 @@ class Job:
     worker: str
     args: tuple
     backend: str = "gloo"
-    alone: bool = False
+    alone: object = False
     env: tuple = ()
     netns: Optional[str] = None
-    timeout: int = 240
+    timeout: float = 240
+    fails: bool = False
 
     def group(self, test_file):
-        """The launch this job shares: its test file's jobs of the same ranks and launch settings."""
-        return (test_file, self.np, self.backend, self.env, self.netns) + ((self,) if self.alone else ())
+        """The launch this job shares: its test file's jobs of the same ranks and launch settings (and
+        ``alone`` label)."""
+        return (test_file, self.np, self.backend, self.env, self.netns, self if self.alone is True else self.alone)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +72,7 @@ class OutOf:
     name: str
 
 
-def job(np, worker, *args, backend="gloo", alone=False, env=None, netns=None, timeout=240):
+def job(np, worker, *args, backend="gloo", alone=False, env=None, netns=None, timeout=240, fails=False):
     """A ``Job``: ``worker`` run on ``np`` ranks with the arguments a command line would get.
 
     Args:
@@ -79,13 +81,17 @@ def job(np, worker, *args, backend="gloo", alone=False, env=None, netns=None, ti
             first), or a path from the repository root such as ``"examples/char_lm.py"``.
         args: its arguments (``str()`` of each), ``Out(name)`` or ``OutOf(job, name)``.
         backend: ``"gloo"`` (horovodrun) or ``"mpi"`` (mpirun).
-        alone: the run needs a launch of its own (state that lives as long as the process, such as the
-            class form ``compression=TopKEF``, or ``hvd.init(process_sets=...)`` registering its sets).
+        alone: True: the run needs a launch of its own (state that lives as long as the process, such as
+            the class form ``compression=TopKEF``, or ``hvd.shutdown()``); a string: it shares a launch
+            only with the jobs of the same string (e.g. jobs that all register the same process sets at
+            ``hvd.init``, which only the launch's first ``hvd.init`` registers).
         env: extra environment variables of its launch, ``{name: value}`` (``Out`` values allowed when
             ``alone``); jobs with other variables never share a launch.
         netns: None, or the launch runs in a private network namespace (testbed/wire.py) whose
             loopback carries only its bytes: ``"unlimited"``, or a tbf rate such as ``"100mbit"``.
         timeout: seconds the run may take once started; past them its ranks exit with their stacks.
+        fails: the job is expected to fail (the test reads it in ``pytest.raises(JobFailed)``): it runs
+            after the other jobs of its launch, since its failure ends the launch.
 
     Returns:
         The ``Job``, to list in ``@pytest.mark.jobs(...)`` or a test's parameters.
@@ -98,6 +104,8 @@ def job(np, worker, *args, backend="gloo", alone=False, env=None, netns=None, ti
         raise ValueError(f"np: the number of ranks, an int >= 1, got {np!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: one of {BACKENDS}, got {backend!r}")
+    if not (alone is True or alone is False or isinstance(alone, str) and alone):
+        raise ValueError(f"alone: True, False or a non-empty label, got {alone!r}")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout: seconds > 0, got {timeout!r}")
     if netns is not None and not (isinstance(netns, str) and netns):
@@ -106,17 +114,23 @@ def job(np, worker, *args, backend="gloo", alone=False, env=None, netns=None, ti
     if not alone and any(isinstance(v, Out) for _, v in env):
         raise ValueError("env: an Out(...) value names one job's folder, so the job needs alone=True")
     return Job(np, worker, tuple(a if isinstance(a, (Out, OutOf)) else str(a) for a in args), backend, alone,
-               env, netns, timeout)
+               env, netns, timeout, bool(fails))
 
 
 class JobRun(NamedTuple):
     """How a job ended: its output folder, the ``JobFailed`` it ended in (None: it ran to the end on
-    every rank), its part of its launch's output, and the seconds from its start to its end (None if
-    it never started)."""
+    every rank), its part of its launch's output, and the ``time.time()`` of its start on its first rank
+    and of its end on the last or of the end of the launch it failed in (None if it never started)."""
     folder: object
     failure: Optional[Exception]
     output: str
-    seconds: Optional[float]
+    started: Optional[float]
+    ended: Optional[float]
+
+    @property
+    def seconds(self):
+        """From the job's start to its end (not counting its launch's start)."""
+        return None if self.started is None else self.ended - self.started
 
 
 def _jobs_in(value):
@@ -155,6 +169,8 @@ def pytest_collection_finish(session):
             group = groups.setdefault(j.group(str(item.path)), [])
             if j not in group:
                 group.append(j)
+    for group in groups.values():   # stable: the others in their order, then the jobs expected to fail
+        group.sort(key=lambda j: j.fails)
     session.config.stash[_PLAN] = groups
 
 
@@ -194,8 +210,8 @@ class SharedJobs:
                       env={k: str(folders[first] / v.name) if isinstance(v, Out) else v for k, v in first.env})
         with _namespace(first.netns) as prefix:
             outcomes = run_entries(first.np, entries, timeout_each=[j.timeout for j in todo], prefix=prefix, **launch)
-        for j, (failure, output, seconds) in zip(todo, outcomes):
-            self.runs[test_file, j] = JobRun(folders[j], failure, output, seconds)
+        for j, outcome in zip(todo, outcomes):
+            self.runs[test_file, j] = JobRun(folders[j], *outcome)
 
     def _argv(self, test_file, j, folders):
         """The worker's command line: its script, ``--out`` for workers/, its arguments with paths."""
