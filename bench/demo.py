@@ -4,13 +4,12 @@ Each run happens in a private network namespace, so the loopback counters measur
 the job puts on the link. Shows one progress line per few epochs, then one table: test accuracy,
 bytes per rank per step, wall time; and what to run next.
 
-    python -m bench.demo                    # as root: measured in a private network namespace
-    python -m bench.demo --epochs 5 --ratio 0.001
-    python -m bench.demo --across-hosts     # as root: 2 emulated hosts (scripts/hosts.sh), bytes on eth0
+    python -m bench demo                    # as root: measured in a private network namespace
+    python -m bench demo --epochs 5 --ratio 0.001
+    python -m bench demo --across-hosts     # as root: 2 emulated hosts (scripts/hosts.sh), bytes on eth0
 
 bash scripts/demo.sh runs it after installing what is missing.
 """
-import argparse
 import contextlib
 import json
 import os
@@ -19,26 +18,16 @@ import sys
 import tempfile
 import time
 
-from bench.constants import ROOT
 from testbed.hosts import EmulatedHosts
 from testbed.launch import JobFailed, run_job
 from testbed.wire import Namespace, can_make_namespace
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPOCH_LINE = re.compile(r"^\[0\]<stdout>:(epoch (\d+)/(\d+): .*)$")   # digits_cnn.py's progress, rank 0
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--np", type=int, default=2)
-    p.add_argument("--ratio", type=float, default=0.01)
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--timeout", type=int, default=900)
-    p.add_argument("--across-hosts", action="store_true",
-                   help="root: run on 2 emulated hosts (testbed/hosts.py), half the ranks on each, and "
-                        "count the bytes between them on their eth0")
-    p.add_argument("--rate", default=None, help="--across-hosts: tbf rate of each host's eth0, e.g. 1gbit")
-    args = p.parse_args()
-
+def main(args):
+    """The CLI's ``demo`` (``args``: np, ratio, epochs, timeout, across_hosts, rate); returns 0."""
     hosts = EmulatedHosts(2, args.rate) if args.across_hosts else None
     isolated = hosts is not None or can_make_namespace()
     if not isolated:
@@ -60,6 +49,7 @@ def main():
         if hosts is not None:
             hosts.close()
     print_table(rows, args, isolated, hosts)
+    return 0
 
 
 def run(mode, args, isolated, hosts=None):
@@ -130,9 +120,5 @@ def print_table(rows, args, isolated, hosts=None):
           f"the traffic saved at about the same accuracy. Wall time is not the point here: {link}\n"
           "and the model tiny, so selecting the top-k costs more than the bytes it saves; on a slow link\n"
           "the saved bytes are the step time. See that with the bandwidth-limited benchmark:")
-    print('  python -m bench.evidence --part steps --ranks 2 --bandwidths 100mbit --ratios 0.01 \\\n'
-          '      --modes "dense,topkef" --out /tmp/ev      # ~2 min; report in /tmp/ev/report.md')
-
-
-if __name__ == "__main__":
-    main()
+    print('  python -m bench run --task cnn-wide --link 100mbit --arms "horovod dense,topkef" --steps 30 \\\n'
+          '      --eval-every 10 --out bench/results/run_try      # ~3 min; then read its table.md')

@@ -43,14 +43,14 @@ def machine():
     facts = {"cores": os.cpu_count(), "cpu": cpu, "gpu": None, "os": f"{platform.system()} {platform.release()}",
              "python": platform.python_version()}
     try:
-        import torch
+        import torch            # optional: a results folder made where torch is missing still gets one
         facts["torch"] = torch.__version__
         if torch.cuda.is_available():
             facts["gpu"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except ImportError:
         pass
     try:
-        import horovod
+        import horovod          # optional, as torch
         facts["horovod"] = horovod.__version__
     except ImportError:
         pass
@@ -61,9 +61,10 @@ def manifest(command=None):
     """The manifest as a dict: commit, command (this process's argv by default), UTC date, machine."""
     if command is None:
         argv = list(sys.argv)
-        if argv and argv[0].endswith(".py"):   # python -m bench.x: argv[0] is the module's file
+        if argv and argv[0].endswith(".py"):   # python -m bench: argv[0] is bench/__main__.py
             rel = os.path.relpath(os.path.abspath(argv[0]), ROOT)
-            argv[0] = ("-m " + rel[:-3].replace(os.sep, ".")) if rel.startswith("bench") else rel
+            module = rel[:-3].replace(os.sep, ".").removesuffix(".__main__")
+            argv[0] = ("-m " + module) if rel.startswith("bench") else rel
         command = "python " + " ".join([argv[0]] + [shlex.quote(a) for a in argv[1:]])
     return {"commit": git_commit(), "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

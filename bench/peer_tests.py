@@ -8,8 +8,8 @@ collects that file, and a plugin rebinds the module's global ``hvd`` to a namesp
 everything to ``horovod.torch`` except ``DistributedOptimizer``, which builds the front door named by
 ``--front-door`` (Horovod itself is untouched)::
 
-    python -m bench.peer_tests --horovod-source ~/src/horovod --front-door topkef
-    python -m bench.peer_tests --horovod-source ~/src/horovod --front-door hvd_topk --np 2
+    python -m bench peer-tests --horovod-source ~/src/horovod --front-door topkef
+    python -m bench peer-tests --horovod-source ~/src/horovod --front-door hvd_topk --np 2
 
 Front doors: ``horovod`` (nothing swapped: the baseline, since some tests fail on torch 2.13 as
 they stand), ``topkef`` (``compression=TopKEF(named_parameters=..., process_set=...)``, given the
@@ -19,7 +19,6 @@ set: where the optimizer has a process set, it must fail on every rank, naming `
 (``hvd_topk.DistributedOptimizer``). Each test runs in a job of its own with a 120 s limit, so a hang
 shows as a timeout, not as a stuck run. Prints one line per test and the tally.
 """
-import argparse
 import os
 import shutil
 import sys
@@ -27,6 +26,10 @@ import tempfile
 import time
 import unittest.mock
 
+import horovod.torch as hvd
+
+import hvd_topk
+from hvd_topk import TopKEF
 from testbed.launch import JobFailed, run_job
 
 # The tests of test_torch.py that build hvd.DistributedOptimizer (CPU ones; the GPU variants skip).
@@ -44,15 +47,12 @@ class SwappedHorovod:
     """``horovod.torch`` with ``DistributedOptimizer`` replaced by one of hvd_topk's front doors."""
 
     def __init__(self, front_door, ratio):
-        import horovod.torch as hvd
         self._hvd, self._front_door, self._ratio = hvd, front_door, ratio
 
     def __getattr__(self, name):
         return getattr(self._hvd, name)
 
     def DistributedOptimizer(self, optimizer, named_parameters=None, compression=None, **kwargs):
-        import hvd_topk
-        from hvd_topk import TopKEF
         if self._front_door == "hvd_topk":
             return hvd_topk.DistributedOptimizer(optimizer, named_parameters=named_parameters,
                                                  compression=TopKEF(ratio=self._ratio), **kwargs)
@@ -115,22 +115,17 @@ def run_one(args, test):
     return outcome, time.monotonic() - t0, (errors or lines or ["(no output)"])[-1:]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--horovod-source", required=True, help="a Horovod source tree at v0.28.1")
-    p.add_argument("--front-door", choices=FRONT_DOORS, default="topkef")
-    p.add_argument("--ratio", type=float, default=0.01)
-    p.add_argument("--np", type=int, default=2)
-    p.add_argument("--timeout", type=int, default=120)
-    p.add_argument("--tests", nargs="+", default=list(OPTIMIZER_TESTS))
-    p.add_argument("--without-muon", action="store_true",
-                   help="run a temporary copy of the tests whose optimizer lists leave out torch.optim.Muon")
-    args = p.parse_args()
+def main(args):
+    """The CLI's ``peer-tests``: every test of ``args.tests`` (None: all) in a job of its own; returns 0."""
+    if args.front_door not in FRONT_DOORS:
+        raise ValueError(f"--front-door must be one of {list(FRONT_DOORS)}, got {args.front_door!r}")
+    args.tests = args.tests or list(OPTIMIZER_TESTS)
     args.test_file = os.path.join(args.horovod_source, "test", "parallel", "test_torch.py")
     with tempfile.TemporaryDirectory() as tmp:
         if args.without_muon:
             args.test_file = tests_without_muon(args.horovod_source, tmp)
         run_all(args)
+    return 0
 
 
 def run_all(args):
@@ -141,7 +136,3 @@ def run_all(args):
         print(f"{test:40s} {outcome:8s} {seconds:6.1f} s" + ("" if outcome == "passed" else f"   {tail[-1][:160]}"),
               flush=True)
     print(f"{args.front_door}: " + ", ".join(f"{n} {k}" for k, n in sorted(tally.items())))
-
-
-if __name__ == "__main__":
-    main()

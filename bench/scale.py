@@ -5,16 +5,14 @@ dense ring and tree allreduce, the Top-K allgather (values + int32 indices), AR-
 tree and split_reduce (Ok-Topk's split and reduce), against workers (8 .. 1024), link bandwidth
 (100 Mbit/s .. 100 Gbit/s) and density.
 
-    python -m bench.scale                          # PNGs + CSV + summary into bench/results/scale/
-    python -m bench.scale --alpha 1e-3 --message-mb 4 --out /tmp/scale
-    python -m bench.scale --alpha 2.9e-3 --beta 3.2e-7 --out /tmp/scale_fitted   # 4 ranks, 100 Mbit/s tbf
-(Run as a module from the repository root: bench/select.py would shadow the standard library's
-``select`` module if bench/ were on sys.path.)
+    python -m bench scale                          # PNGs + CSV + summary into bench/results/scale/
+    python -m bench scale --alpha 1e-3 --message-mb 4 --out bench/results/scale_4mb
+    python -m bench scale --alpha 2.9e-3 --beta 3.2e-7 --out bench/results/scale_fitted   # 4 ranks, 100 Mbit/s tbf
 
 By default α is 50 µs and the links are four nominal bandwidths (β = 8 / bits per second). ``--alpha``
 and ``--beta`` take the model fitted to measurements instead: the α (s) and β (s/byte) that the probe
 of a ``communication='auto'`` run fitted, ``opt.stats()['alpha']`` and ``['beta']`` (a benchmark's raw
-JSON keeps them under ``record`` -> ``hvd_topk_stats``); each ``--beta`` replaces the four nominal
+summary.json keeps its medians under ``arms`` -> the arm -> ``stats``); each ``--beta`` replaces the four nominal
 links by one link of that β, so the plots show which collective wins from 8 to 1024 workers on the
 measured network (docs/costmodel.md).
 
@@ -24,16 +22,20 @@ point: the modelled time of every collective, the winner, and its speed-up over 
 allreduce) and ``scale_summary.md`` (the winners at a few grid points, and where split_reduce wins),
 also printed.
 """
-import argparse
 import csv
 import os
 
+import matplotlib
 import numpy as np
 
-from bench.manifest import write_manifest
-from hvd_topk.auto import costmodel
+matplotlib.use("Agg")               # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.manifest import write_manifest  # noqa: E402
+from hvd_topk.auto import costmodel  # noqa: E402
+
 WORKERS = [2 ** i for i in range(3, 11)]                          # 8 .. 1024
 BANDWIDTHS = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9, "10 Gbit/s": 10e9, "100 Gbit/s": 100e9}
 DENSITIES = np.logspace(-4, 0, 33)                                 # 1e-4 .. 1, 8 per decade
@@ -92,9 +94,6 @@ def write_csv(path, args):
 
 def plot_winner(path, args, plt):
     """Heatmaps of the winning collective over (workers, density), one panel per bandwidth."""
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
     names = list(costmodel.COLLECTIVES)
     cmap = ListedColormap([COLORS[n] for n in names])
     x_edges = np.log2(WORKERS + [WORKERS[-1] * 2]) - 0.5               # one column per power of two
@@ -241,30 +240,15 @@ def worker_ranges(workers):
     return ", ".join(runs)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "scale"),
-                   help="folder for the PNGs, CSV, summary and manifest")
-    p.add_argument("--message-mb", type=float, default=100.0, help="dense gradient message, MB (1e6 B)")
-    p.add_argument("--alpha", type=float, default=50e-6,
-                   help="latency per message, s (a fitted one: opt.stats()['alpha'] of an auto run)")
-    p.add_argument("--beta", type=float, nargs="+",
-                   help="s per byte of each link to plot instead of the four nominal ones (a fitted one: "
-                        "opt.stats()['beta'] of an auto run)")
-    p.add_argument("--index-bytes", type=int, default=4)
-    p.add_argument("--value-bytes", type=int, default=4)
-    args = p.parse_args()
+def main(args):
+    """The plots, CSV and summary of the CLI's ``scale`` (``args``: out, message_mb, alpha, beta,
+    index_bytes, value_bytes); ValueError naming a bad value before anything is drawn."""
     # Bad values fail here, with costmodel's ValueError naming them, before any plotting.
     for beta in args.beta or [1e-9]:
         costmodel.predict(2, args.message_mb * 1e6, 0.5, args.alpha, beta, args.index_bytes, args.value_bytes)
     if args.beta and min(args.beta) <= 0:
-        p.error("--beta must be > 0: a link of no time per byte has no bandwidth to plot")
+        raise ValueError("--beta must be > 0: a link of no time per byte has no bandwidth to plot")
     args.links = links(args.beta)
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     # The manifest first: outputs rewritten in place would mark the checkout dirty before it is written.
     manifest = write_manifest(args.out)
     outputs = [os.path.join(args.out, name) for name in
@@ -280,7 +264,4 @@ def main():
     outputs.append(manifest)
     print(text)
     print("\nwrote " + ", ".join(os.path.relpath(o) for o in outputs))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

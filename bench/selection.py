@@ -4,11 +4,9 @@ For every size, dtype and ratio it times the three side by side in one run (inte
 median), checks that the index set equals torch.topk's, and measures the peak extra memory of each.
 Prints a table and writes select_<device>.csv and select_<device>.png to --out.
 
-    python -m bench.select                                   # 1M/10M/25M/100M fp32 on CPU
-    python -m bench.select --sizes 25M --ratios 0.01         # the headline row
-    python -m bench.select --dtypes fp32,fp16,bf16 --device cuda
-(Run from the repository root, as the other bench scripts; run as a file, it drops bench/ from
-sys.path first, where this file would shadow the standard library's ``select`` module.)
+    python -m bench select                                   # 1M/10M/25M/100M fp32 on CPU
+    python -m bench select --sizes 25M --ratios 0.01         # the headline row
+    python -m bench select --dtypes fp32,fp16,bf16 --device cuda
 
 Memory, CPU (Linux, glibc): the peak resident set size (VmHWM, reset through /proc/self/clear_refs
 before each call) minus the resident size before the call. Before each measured call glibc hands its
@@ -18,24 +16,23 @@ the resident set (to within the kernel's RSS counter batching, about 0.25 MiB). 
 all timings, which therefore see glibc's default allocator behaviour. Memory, CUDA: torch's allocator
 statistics (max_memory_allocated minus memory_allocated before the call).
 """
+import csv
+import ctypes
 import os
+import platform
+import re
+import statistics
 import sys
+import time
 
-# Run as a file, this file's folder heads sys.path and this file would shadow the standard
-# library's ``select`` module (imported by subprocess, and so by torch); drop the folder.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import matplotlib
+import torch
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import ctypes  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+matplotlib.use("Agg")               # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
-import torch  # noqa: E402
-
+from bench.manifest import write_manifest  # noqa: E402
 from hvd_topk.core import sparsify  # noqa: E402
 from hvd_topk.core.sparsify import k_for, topk_indices  # noqa: E402
 
@@ -50,33 +47,8 @@ def parse_size(text):
     """'25M' -> 25_000_000; accepts K, M, G suffixes and plain integers."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]?)", text.strip().upper())
     if not match:
-        raise argparse.ArgumentTypeError(f"size must look like 1000, 10K, 25M or 1G, got {text!r}")
+        raise ValueError(f"size must look like 1000, 10K, 25M or 1G, got {text!r}")
     return int(float(match.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[match.group(2)])
-
-
-def parse_args(argv=None):
-    """Command line."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="1M,10M,25M,100M",
-                   type=lambda s: [parse_size(v) for v in s.split(",")],
-                   help="comma-separated element counts (K/M/G suffixes)")
-    p.add_argument("--ratios", default="0.1,0.01,0.001", type=lambda s: [float(v) for v in s.split(",")],
-                   help="comma-separated fractions kept, each in (0, 1]")
-    p.add_argument("--dtypes", default="fp32", type=lambda s: s.split(","),
-                   help="comma-separated subset of " + ",".join(DTYPES))
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--repeats", default=5, type=int, help="timed repeats per method (median reported)")
-    p.add_argument("--out", default=os.path.join(_HERE, "results", "select"), help="folder for the CSV and PNG")
-    p.add_argument("--seed", default=0, type=int)
-    args = p.parse_args(argv)
-    bad = [d for d in args.dtypes if d not in DTYPES]
-    if bad:
-        p.error(f"--dtypes must be a subset of {','.join(DTYPES)}, got {','.join(bad)}")
-    if any(not 0 < r <= 1 for r in args.ratios):
-        p.error(f"--ratios must each lie in (0, 1], got {args.ratios}")
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
-    return args
 
 
 def make_input(n, dtype, device, seed):
@@ -155,11 +127,6 @@ class PeakMemory:
 
 def plot(rows, path):
     """Speed-up over torch.topk and cost relative to one abs pass, against n, per dtype and ratio."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         for ratio in dict.fromkeys(r["ratio"] for r in rows):
@@ -201,10 +168,16 @@ def print_table(rows):
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(args):
+    """Time, check and measure every size x dtype x ratio of ``args`` (the CLI's ``select``); returns
+    the exit status. ValueError naming a bad value before anything runs."""
+    bad = [d for d in args.dtypes if d not in DTYPES]
+    if bad:
+        raise ValueError(f"--dtypes must be a subset of {','.join(DTYPES)}, got {','.join(bad)}")
+    if any(not 0 < r <= 1 for r in args.ratios) or args.repeats < 1:
+        raise ValueError(f"--ratios must each lie in (0, 1] and --repeats be >= 1, got {args.ratios}, {args.repeats}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench.select: --device cuda given but CUDA is not available; nothing to do.")
+        print("bench select: --device cuda given but CUDA is not available; nothing to do.")
         return 0
     os.makedirs(args.out, exist_ok=True)
     device_name = (torch.cuda.get_device_name() if args.device == "cuda"
@@ -245,11 +218,6 @@ def main(argv=None):
         writer.writerows(rows)
     png_path = os.path.join(args.out, f"select_{args.device}.png")
     plot(rows, png_path)
-    from bench.manifest import write_manifest
     write_manifest(args.out)
     print(f"wrote {csv_path} and {png_path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

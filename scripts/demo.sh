@@ -4,4 +4,4 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/install.sh"
 cd "$ROOT"
-exec "${HVD_TOPK_VENV:-$ROOT/.venv}/bin/python" -m bench.demo "$@"
+exec "${HVD_TOPK_VENV:-$ROOT/.venv}/bin/python" -m bench demo "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, which CI does not have: the CUDA tests of the Top-K selection, and
-# bench.select on the GPU (ours against torch.topk, side by side in one run).
+# bench select on the GPU (ours against torch.topk, side by side in one run).
 #
 # Needs python3 with a CUDA build of torch, pytest and hypothesis (Horovod is not needed: the
 # selection, hvd_topk.core.sparsify, imports none). From the repository root:
@@ -14,4 +14,4 @@ python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; pr
 # -rs lists any skip: on a GPU machine none of these may skip.
 python3 -m pytest tests/test_sparsify.py -k cuda -q -rs 2>&1 | tee "$out/pytest_cuda.txt"
 ! grep -q "skipped" "$out/pytest_cuda.txt"
-python3 -m bench.select --device cuda --dtypes fp32,fp16,bf16 --sizes 1M,10M,25M,50M,100M,200M --repeats 7 --out "$out/select_cuda" 2>&1 | tee "$out/select_cuda.txt"
+python3 -m bench select --device cuda --dtypes fp32,fp16,bf16 --sizes 1M,10M,25M,50M,100M,200M --repeats 7 --out "$out/select_cuda" 2>&1 | tee "$out/select_cuda.txt"

@@ -6,7 +6,7 @@
 #   bash scripts/hosts.sh down          end everything on the hosts and delete them (idempotent)
 #   bash scripts/hosts.sh check         what this machine lacks to emulate hosts (exit 1 if anything)
 #   bash scripts/hosts.sh run N CMD...  run CMD on host N, e.g. `run 1 horovodrun -np 4 -H ...`
-#   bash scripts/hosts.sh demo [ARGS]   the demo (python -m bench.demo --across-hosts ARGS, e.g. --rate 1gbit
+#   bash scripts/hosts.sh demo [ARGS]   the demo (python -m bench demo --across-hosts ARGS, e.g. --rate 1gbit
 #                                       --epochs 5) on 2 hosts: bytes between them, dense vs TopKEF
 # Needs root, iproute2, util-linux and openssh-server (scripts/install.sh installs them).
 set -euo pipefail
@@ -29,7 +29,7 @@ case "${1:-}" in
         # were up before are left up.
         hosts status >/dev/null 2>&1 || trap 'hosts down >/dev/null' EXIT
         cd "$ROOT"
-        PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m bench.demo --across-hosts "$@" ;;
+        PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m bench demo --across-hosts "$@" ;;
     *)
         hosts "$@" ;;
 esac

@@ -7,4 +7,4 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/install.sh"
 cd "$ROOT"
-exec "${HVD_TOPK_VENV:-$ROOT/.venv}/bin/python" -m pytest -ra --timeout=900 --durations=15 tests "$@"
+exec "${HVD_TOPK_VENV:-$ROOT/.venv}/bin/python" -m pytest -ra --timeout=900 --durations=15 tests bench/tests "$@"

@@ -168,26 +168,3 @@ def test_hierarchical_needs_the_global_process_set_and_a_fixed_ratio(hvd):
                                       communication="hierarchical", adaptive_ratio=True)
     with pytest.raises(ValueError, match="communication must be one of .*'hierarchical'"):
         hvd_topk.TopKEF(communication="hierarchy")
-
-
-def test_bench_report_gives_each_row_its_test_figure_and_auto_its_decisions():
-    """bench.hierarchical's report: accuracy for the digits CNN, loss for the LM, '-' where none was
-    taken; auto's decisions under its link's table; the targets from hierarchical's rows."""
-    from bench import hierarchical as bench
-
-    def row(ms, nbytes, **test):
-        return {"median_ms": ms, "q1_ms": ms, "q3_ms": ms, "bytes": nbytes, "rounds_bytes": nbytes, "steps": 20,
-                **test}
-
-    history = [[0, 0.01, {}, "start, trial of 3 plans"], [40, 0.01, {}, "trial, 4 counted rounds: ...; kept all artopk"]]
-    rows = {"100mbit": {"hvd_topk split_reduce": row(1000.0, 2e6, test_loss=2.5, test_accuracy=None),
-                        "hvd_topk hierarchical": row(700.0, 1e6, test_loss=2.4, test_accuracy=None),
-                        bench.AUTO: row(300.0, 1.5e6, test_loss=2.6, test_accuracy=None, auto_history=history)}}
-    text = bench.report(rows, "cmd", example="lm")
-    assert "Byte-level GPT" in text and "| hvd_topk hierarchical | 700.0 | 700.0-700.0 | 1,000,000 | 1,000,000 | 20 | loss 2.400 |" in text
-    assert f"{bench.AUTO}'s decisions: step 0: start, trial of 3 plans; step 40: trial" in text
-    assert "| inter-host bytes vs hvd_topk split_reduce | 100mbit | 0.500x | 0.6x | **met** |" in text
-    assert "| step time vs hvd_topk split_reduce | 100mbit | 0.700x | 0.8x | **met** |" in text
-    digits = bench.report({"1gbit": {"dense": row(5.0, 9.0, test_accuracy=0.9512, test_loss=0.2)}}, "cmd")
-    assert "Wide digits CNN" in digits and "| 20 | 0.9512 |" in digits
-    assert "| - | - |" in bench.report({"1gbit": {"dense": {**row(5.0, 9.0), "steps": None}}}, "cmd")
