@@ -22,7 +22,7 @@ then runs a training loop built on the run log:
     log.finish(model, {"test_loss": test_loss, "test_accuracy": test_acc})   # checks, JSON
 
 Bytes come from the loopback's kernel counters (``loopback_tx_bytes``): run the job in a private
-network namespace (``python -m bench.demo`` and the benchmarks do) so that they count this job's
+network namespace (``python -m bench demo`` and the benchmarks do) so that they count this job's
 traffic only, every rank's together.
 """
 import contextlib

@@ -37,7 +37,7 @@ which slurm/*.sbatch requeue the job; a run that finds the files resumes where t
 Rank 0 writes the run's record to --json-out: its settings, per-step times and link bytes, the test
 curve and the final figures (examples/common.py, RunLog); stdout gets one summary line (JSON, the
 final figures only) and, under horovodrun, one progress line per epoch. Bytes per step come from the
-loopback's interface counters; run it in a private network namespace (python -m bench.demo does) so
+loopback's interface counters; run it in a private network namespace (python -m bench demo does) so
 that they count this job's traffic only. BatchNorm statistics (resnet18) are per rank; rank 0 evaluates.
 """
 import argparse
