@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from testbed.batch import run_batch
+from testbed.pytest_jobs import Out, job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "char_lm.py")
@@ -135,24 +135,13 @@ TWO_RANK_FLAGS = [["--compression", "topkef"],
                    "--communication", "allgather"]]
 
 
-@pytest.fixture(scope="module")
-def two_rank_jobs(tmp_path_factory):
-    """Each flag set's (result file, failure or None): the three 2-rank jobs in one launch."""
-    tmp = tmp_path_factory.mktemp("char_lm")
-    outs = [tmp / f"r{i}.json" for i in range(len(TWO_RANK_FLAGS))]
-    entries = [[SCRIPT, "--quiet", "--max-steps", "20", "--eval-every", "10", "--batch-size", "8", "--eval-windows",
-                "32", "--json-out", out, *flags] for flags, out in zip(TWO_RANK_FLAGS, outs)]
-    return list(zip(outs, run_batch(2, entries, cwd=ROOT)))
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("index", range(len(TWO_RANK_FLAGS)), ids=["topkef", "hvd_topk-non-iid", "update"])
-def test_two_rank_job(two_rank_jobs, index):
-    flags = TWO_RANK_FLAGS[index]
-    out, failure = two_rank_jobs[index]
-    if failure is not None:
-        raise failure
-    r = json.loads(out.read_text())
+@pytest.mark.parametrize("flags,lm_job", [
+    (flags, job(2, "examples/char_lm.py", "--quiet", "--max-steps", 20, "--eval-every", 10, "--batch-size", 8,
+                "--eval-windows", 32, "--json-out", Out("result.json"), *flags)) for flags in TWO_RANK_FLAGS],
+    ids=["topkef", "hvd_topk-non-iid", "update"])
+def test_two_rank_job(results, flags, lm_job):
+    """The three 2-rank jobs share a launch."""
+    r = json.loads(results.path(lm_job, "result.json").read_text())
     assert r["example"] == "char_lm" and r["compression"] == flags[1] and r["ranks"] == 2
     assert r["dataset"] == char_lm.DEFAULT_CORPUS and r["model"] == "gpt-4x128"
     assert r["non_iid"] == ("--non-iid" in flags) and r["test_accuracy"] is None

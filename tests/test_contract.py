@@ -3,28 +3,23 @@ sparse embeddings, ranks that use different parameters, two optimizers in turn, 
 a momentum scheduler. At ratio 1.0 every column gives dense Horovod's parameters (float64); compressed,
 the ranks stay identical; the class form without names works where positions are stable and otherwise
 fails on every rank within seconds, naming the fix."""
-import time
-
 import pytest
 import torch
 
 from testbed.launch import JobFailed
-from conftest import assert_identical_across_ranks, job
+from testbed.pytest_jobs import job
+
+from conftest import assert_identical_across_ranks
 
 SCENARIOS = {"sparse": [], "sparse_as_dense": ["--sparse-as-dense"], "uneven": [], "gan": [],
              "sync_twice": [], "schedule": []}
 
 
-def contract_job(scenario, column, *extra):
+def contract_job(scenario, column, *extra, **settings):
     name = "sparse" if scenario == "sparse_as_dense" else scenario
     # the class form keeps its state in the class, for the life of the process: a job of its own
     return job(2, "contract.py", "--scenario", name, "--column", column, *SCENARIOS[scenario], *extra,
-               alone=column == "topkef_class")
-
-
-def run_alone(run_ranks, scenario, column):
-    """A job of its own: the tests of failures time it."""
-    return run_ranks(2, "contract.py", *contract_job(scenario, column).args, timeout=120)
+               alone=column == "topkef_class", **settings)
 
 
 @pytest.mark.parametrize("scenario,jobs", [
@@ -57,14 +52,14 @@ def test_class_form_works_where_positions_are_stable(results, class_job):
     assert_identical_across_ranks(results(class_job))
 
 
-@pytest.mark.parametrize("scenario", ["uneven", "gan"])
-def test_class_form_fails_on_every_rank_naming_the_fix(run_ranks, scenario):
+@pytest.mark.parametrize("refused", [contract_job(scenario, "topkef_class", timeout=120, fails=True)
+                                     for scenario in ["uneven", "gan"]], ids=["uneven", "gan"])
+def test_class_form_fails_on_every_rank_naming_the_fix(results, refused):
     """compression=TopKEF cannot know which parameter a gradient is; where positions change, every
     rank raises within seconds, naming TopKEF(named_parameters=...)."""
-    t0 = time.monotonic()
     with pytest.raises(JobFailed) as failed:
-        run_alone(run_ranks, scenario, "topkef_class")
-    assert time.monotonic() - t0 < 60
+        results(refused)
+    assert results.run(refused).seconds < 60
     for rank in (0, 1):
         lines = [line for line in failed.value.output.splitlines() if line.startswith(f"[{rank}]")]
         assert any("named_parameters=model.named_parameters()" in line for line in lines), f"rank {rank}"

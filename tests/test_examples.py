@@ -2,13 +2,11 @@
 (MNIST and CIFAR-10 from small synthetic files in the real formats, digits non-IID with hvd_topk, a
 time budget), checked against the JSON contract of examples/common.py; the copyable example
 examples/pytorch_digits_topkef.py trained under horovodrun; and no example reaching outside examples/."""
-import gzip
 import json
 import os
 import pathlib
 import re
 import shutil
-import struct
 import subprocess
 import sys
 
@@ -16,58 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-from testbed.batch import run_batch
-from testbed.launch import run_job
+from testbed.pytest_jobs import ROOT, Out, OutOf, job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-sys.path.insert(0, EXAMPLES)
+sys.path[:0] = [EXAMPLES, os.path.join(ROOT, "tests", "workers")]
 
 import data  # noqa: E402  (examples/data.py, found through the path above)
+from example_data import write_cifar, write_idx, write_mnist  # noqa: E402  (tests/workers/example_data.py)
 
 # The keys the benchmark harness parses (examples/common.py, RunLog.finish).
 CONTRACT = {"example", "compression", "optimizer", "ratio", "communication", "ranks", "model", "dataset",
             "non_iid", "num_params", "tensors", "min_numel", "steps", "step_times_s", "link_tx_bytes",
             "curve", "test_loss", "test_accuracy", "wall_s", "params_identical", "bytes_per_rank_per_step",
             "loopback_tx_bytes", "hvd_topk_stats"}
-
-
-# -- synthetic files in the real formats -------------------------------------------------------------
-def write_idx(path, array, gz=False):
-    """An IDX file of unsigned bytes (magic 0x0000 08 ndim, big-endian uint32 dims, the data)."""
-    array = np.asarray(array, dtype=np.uint8)
-    raw = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    raw += array.tobytes()
-    with (gzip.open(path, "wb") if gz else open(path, "wb")) as f:
-        f.write(raw)
-
-
-def write_mnist(folder, n_train=96, n_test=32, gz=False, seed=0):
-    """The four MNIST files (28x28) with random pixels and labels; returns the arrays written."""
-    rng = np.random.default_rng(seed)
-    arrays = {"train_images": rng.integers(0, 256, (n_train, 28, 28)),
-              "train_labels": rng.integers(0, 10, n_train),
-              "test_images": rng.integers(0, 256, (n_test, 28, 28)),
-              "test_labels": rng.integers(0, 10, n_test)}
-    os.makedirs(folder, exist_ok=True)
-    for key, name in data.MNIST_FILES.items():
-        write_idx(os.path.join(folder, name + (".gz" if gz else "")), arrays[key], gz=gz)
-    return arrays
-
-
-def write_cifar(folder, per_batch=16, seed=0):
-    """The six CIFAR-10 binary batches: records of 1 label byte + 3072 pixel bytes (R, G, B planes)."""
-    rng = np.random.default_rng(seed)
-    os.makedirs(folder, exist_ok=True)
-    written = {}
-    for name in (*data.CIFAR_TRAIN, data.CIFAR_TEST):
-        labels = rng.integers(0, 10, per_batch).astype(np.uint8)
-        pixels = rng.integers(0, 256, (per_batch, 3, 32, 32)).astype(np.uint8)
-        records = np.concatenate([labels[:, None], pixels.reshape(per_batch, -1)], axis=1)
-        with open(os.path.join(folder, name), "wb") as f:
-            f.write(records.tobytes())
-        written[name] = (pixels, labels)
-    return written
 
 
 # -- readers ---------------------------------------------------------------------------------------
@@ -219,13 +178,26 @@ def test_model_sizes_and_input_shapes():
 
 
 # -- real 2-rank jobs ------------------------------------------------------------------------------
-def run_digits(tmp_path, *flags, timeout=150):
-    """Run examples/digits_cnn.py on 2 ranks (horovodrun, Gloo); (result JSON, job output)."""
-    out = tmp_path / "result.json"
-    argv = [sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), "--quiet", "--json-out", str(out),
-            *map(str, flags)]
-    text = run_job(2, argv, timeout=timeout, cwd=ROOT)
-    return json.loads(out.read_text()), text
+# examples/digits_cnn.py run as a user runs it (its own flags, a JSON result), the jobs in one launch;
+# the first writes the synthetic MNIST and CIFAR-10 files the others read.
+SYNTHETIC_DATA = job(2, "example_data.py")
+
+
+def digits_job(*flags):
+    return job(2, "examples/digits_cnn.py", "--quiet", "--json-out", Out("result.json"), *flags, timeout=150)
+
+
+MNIST = digits_job("--dataset", "mnist", "--data-dir", OutOf(SYNTHETIC_DATA, "mnist"), "--max-steps", 5,
+                   "--eval-every", 2, "--compression", "topkef", "--groups", 2)
+CIFAR10 = digits_job("--dataset", "cifar10", "--data-dir", OutOf(SYNTHETIC_DATA, "cifar"), "--model", "resnet18",
+                     "--batch-size", 8, "--max-steps", 2, "--compression", "none")
+NON_IID = digits_job("--non-iid", "--compression", "hvd_topk", "--max-steps", 12, "--eval-every", 5,
+                     "--tensorboard", Out("tb"))
+TIME_BUDGET = digits_job("--time-budget", 1.0, "--epochs", 100, "--compression", "topkef")
+
+
+def digits_result(results, digits):
+    return json.loads(results.path(digits, "result.json").read_text())
 
 
 def check_contract(res, steps=None):
@@ -244,35 +216,9 @@ def check_contract(res, steps=None):
     assert res["bytes_per_rank_per_step"] == pytest.approx(res["loopback_tx_bytes"] / 2 / res["steps"])
 
 
-@pytest.fixture(scope="module")
-def shared_jobs(tmp_path_factory):
-    """The jobs whose output text is not read, in one launch: name -> (result JSON path, failure or None)."""
-    tmp = tmp_path_factory.mktemp("examples")
-    write_mnist(tmp / "mnist", n_train=200, gz=True)
-    write_cifar(tmp / "cifar")
-    flags = {
-        "mnist": ["--dataset", "mnist", "--data-dir", tmp / "mnist", "--max-steps", 5, "--eval-every", 2,
-                  "--compression", "topkef", "--groups", 2],
-        "cifar10": ["--dataset", "cifar10", "--data-dir", tmp / "cifar", "--model", "resnet18", "--batch-size", 8,
-                    "--max-steps", 2, "--compression", "none"],
-        "time budget": ["--time-budget", 1.0, "--epochs", 100, "--compression", "topkef"],
-    }
-    outs = {name: tmp / f"{name.replace(' ', '_')}.json" for name in flags}
-    entries = [[os.path.join(EXAMPLES, "digits_cnn.py"), "--quiet", "--json-out", outs[name], *map(str, f)]
-               for name, f in flags.items()]
-    return dict(zip(flags, zip(outs.values(), run_batch(2, entries, timeout_each=150, cwd=ROOT))))
-
-
-def shared_result(shared_jobs, name):
-    out, failure = shared_jobs[name]
-    if failure is not None:
-        raise failure
-    return json.loads(out.read_text())
-
-
-@pytest.mark.multirank
-def test_job_mnist_from_idx_files(shared_jobs):
-    res = shared_result(shared_jobs, "mnist")
+@pytest.mark.jobs(MNIST)
+def test_job_mnist_from_idx_files(results):
+    res = digits_result(results, MNIST)
     check_contract(res, steps=5)
     assert (res["dataset"], res["model"], res["non_iid"], res["ratio"], res["groups"]) == ("mnist", "cnn", False,
                                                                                         0.01, 2)
@@ -280,31 +226,30 @@ def test_job_mnist_from_idx_files(shared_jobs):
     assert res["hvd_topk_stats"] is None
 
 
-@pytest.mark.multirank
-def test_job_cifar10_resnet18(shared_jobs):
-    res = shared_result(shared_jobs, "cifar10")
+@pytest.mark.jobs(CIFAR10)
+def test_job_cifar10_resnet18(results):
+    res = digits_result(results, CIFAR10)
     check_contract(res, steps=2)
     assert (res["dataset"], res["model"], res["ratio"], res["communication"]) == \
         ("cifar10", "resnet18", None, "dense")
     assert 10_500_000 <= res["num_params"] <= 12_000_000
 
 
-@pytest.mark.multirank
-def test_job_digits_non_iid_hvd_topk(tmp_path):
-    res, text = run_digits(tmp_path, "--non-iid", "--compression", "hvd_topk", "--max-steps", 12,
-                           "--eval-every", 5, "--tensorboard", tmp_path / "tb")
+@pytest.mark.jobs(NON_IID)
+def test_job_digits_non_iid_hvd_topk(results):
+    res = digits_result(results, NON_IID)
     check_contract(res, steps=12)
     assert res["non_iid"] is True and res["compression"] == "hvd_topk"
     assert isinstance(res["hvd_topk_stats"], dict) and "bytes_sent" in res["hvd_topk_stats"]
-    hists = [json.loads(line.split("label histogram ")[1]) for line in text.splitlines()
+    hists = [json.loads(line.split("label histogram ")[1]) for line in results.run(NON_IID).output.splitlines()
              if "label histogram" in line]
     assert len(hists) == 2 and all(sum(c > 0 for c in h) <= 6 for h in hists), hists
-    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(results.path(NON_IID, "tb")))
 
 
-@pytest.mark.multirank
-def test_job_time_budget_stops_every_rank_at_the_same_step(shared_jobs):
-    res = shared_result(shared_jobs, "time budget")
+@pytest.mark.jobs(TIME_BUDGET)
+def test_job_time_budget_stops_every_rank_at_the_same_step(results):
+    res = digits_result(results, TIME_BUDGET)
     check_contract(res)                           # identical parameters: both ranks ran the same steps
     assert res["steps"] < 100 * 44
     assert res["wall_s"] >= 1.0

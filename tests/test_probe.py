@@ -1,22 +1,14 @@
 """The online alpha/beta probe: its pure parts in one process, and real 2-rank horovodrun jobs."""
-import json
-import os
-import sys
-
 import pytest
 
-from testbed.launch import run_job
 from hvd_topk.auto.probe import DEFAULT_SIZES, Probe, fit_line, to_alpha_beta
-from testbed.wire import Namespace, can_make_namespace
+from testbed.pytest_jobs import job
+from testbed.wire import can_make_namespace
 
-from conftest import ROOT, WORKERS
 
-
-def probe_job(tmp_path, *args, prefix=()):
-    """Run tests/workers/probe_worker.py on 2 ranks; return the two ranks' JSON results."""
-    argv = [sys.executable, os.path.join(WORKERS, "probe_worker.py"), "--out", str(tmp_path), *map(str, args)]
-    run_job(2, argv, backend="gloo", timeout=150, prefix=prefix, cwd=ROOT)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def probe_job(*args, **settings):
+    """tests/workers/probe_worker.py on 2 ranks: each writes its probes' results as JSON."""
+    return job(2, "probe_worker.py", *args, timeout=150, **settings)
 
 
 # --- pure functions, one process -------------------------------------------------------------------
@@ -64,10 +56,13 @@ def test_probe_at_world_size_one_sends_nothing(hvd):
 
 # --- real jobs ---------------------------------------------------------------------------------------
 
-@pytest.mark.multirank
-def test_two_ranks_get_identical_positive_alpha_beta(tmp_path):
+UNLIMITED = probe_job("--collectives", "allreduce", "broadcast", "--extension")
+
+
+@pytest.mark.jobs(UNLIMITED)
+def test_two_ranks_get_identical_positive_alpha_beta(results):
     """Default schedule on an unlimited loopback: cheap, bit-identical on both ranks, positive."""
-    ranks = probe_job(tmp_path, "--collectives", "allreduce", "broadcast", "--extension")
+    ranks = results(UNLIMITED)
     for collective in ("allreduce", "broadcast", "extension"):
         r0, r1 = (r["probes"][collective] for r in ranks)
         assert r0["hex"] == r1["hex"], f"{collective}: ranks differ"
@@ -91,20 +86,22 @@ def test_two_ranks_get_identical_positive_alpha_beta(tmp_path):
     assert ranks[0]["probes"]["allreduce"]["wall_s"] < 3.0
 
 
+# Default sizes (4 B .. 4 MiB, about 10 s of traffic here). 5 repeats, not 3: now and then a TCP
+# retransmission timeout (>= 200 ms, after a drop at the tbf queue) hits one 4 MiB call, and the
+# median of 3 once took it in (broadcast beta 58% high); the median of 5 needs it in 3 calls.
+TBF_100MBIT = probe_job("--repeats", 5, "--collectives", "allreduce", "broadcast", netns="100mbit")
+
+
 @pytest.mark.slow
-@pytest.mark.multirank
 @pytest.mark.skipif(not can_make_namespace(), reason="network namespaces need root and iproute2 (CI runs as root)")
-def test_beta_matches_a_100mbit_tbf_link(tmp_path):
+@pytest.mark.jobs(TBF_100MBIT)
+def test_beta_matches_a_100mbit_tbf_link(results):
     """Inside a namespace whose loopback is limited to R = 100 Mbit/s by tbf, both ranks' traffic shares
     that one pipe. A 2-rank ring allreduce of M bytes sends M per rank, 2M through the pipe, so
     t ≈ 2M/R; the model's 2(N-1)/N·Mβ = Mβ then gives β = 2/R (each rank sees half the pipe). A
     broadcast from rank 0 sends M once: t ≈ M/R = log2(2)·Mβ, so β = 1/R."""
     rate_bytes = 100e6 / 8           # tc's "100mbit" is 100e6 bit/s
-    # Default sizes (4 B .. 4 MiB, about 10 s of traffic here). 5 repeats, not 3: now and then a TCP
-    # retransmission timeout (>= 200 ms, after a drop at the tbf queue) hits one 4 MiB call, and the
-    # median of 3 once took it in (broadcast beta 58% high); the median of 5 needs it in 3 calls.
-    with Namespace(rate="100mbit") as ns:
-        ranks = probe_job(tmp_path, "--repeats", 5, "--collectives", "allreduce", "broadcast", prefix=ns.prefix)
+    ranks = results(TBF_100MBIT)
     allreduce, broadcast = ranks[0]["probes"]["allreduce"], ranks[0]["probes"]["broadcast"]
     for name, res, expected in (("allreduce", allreduce, 2 / rate_bytes), ("broadcast", broadcast, 1 / rate_bytes)):
         print(f"\n100 Mbit/s tbf, {name}: beta {res['beta']:.4g} s/B (expected {expected:.4g}), alpha "
