@@ -1,37 +1,30 @@
 """Bytes on the link, read from the loopback counters of a private network namespace."""
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-import torch
 
-from testbed.batch import run_batch
-from testbed.wire import Namespace, can_make_namespace
-
-from conftest import ROOT, WORKERS
+from testbed.pytest_jobs import ROOT, job
+from testbed.wire import can_make_namespace
 
 needs_netns = pytest.mark.skipif(not can_make_namespace(), reason="network namespaces need root + iproute2")
 
 
+ON_THE_WIRE = {name: job(2, "train.py", "--width", 1024, "--depth", 2, "--steps", 23, "--warmup", 3, *args,
+                         netns="unlimited")
+               for name, args in {"dense": ["--compression", "none"],
+                                  "topkef": ["--compression", "topkef", "--ratio", 0.01]}.items()}
+
+
 @needs_netns
-@pytest.mark.multirank
-def test_topkef_sends_at_most_one_twentieth_of_dense_on_the_wire(tmp_path):
-    """Dense and TopKEF one after the other in one job, in one private namespace; each run counts the
+@pytest.mark.jobs(list(ON_THE_WIRE.values()))
+def test_topkef_sends_at_most_one_twentieth_of_dense_on_the_wire(results):
+    """Dense and TopKEF one after the other in one launch, in one private namespace; each run counts the
     loopback bytes of its own measured steps (after a barrier at its end), so neither counts the other."""
-    runs = {"dense": ["--compression", "none"], "topkef": ["--compression", "topkef", "--ratio", 0.01]}
-    entries = [[os.path.join(WORKERS, "train.py"), "--out", tmp_path / name, "--width", 1024, "--depth", 2,
-                "--steps", 23, "--warmup", 3, *args] for name, args in runs.items()]
-    for name in runs:
-        (tmp_path / name).mkdir()
-    with Namespace() as ns:
-        for failure in run_batch(2, entries, prefix=ns.prefix, cwd=ROOT):
-            if failure is not None:
-                raise failure
     per_step = {}
-    for name in runs:
-        res = torch.load(tmp_path / name / "rank0.pt", weights_only=False)
+    for name, run in ON_THE_WIRE.items():
+        res = results(run)[0]
         assert res["num_params"] >= 1_000_000
         per_step[name] = res["loopback_tx_bytes"] / res["measured_steps"]
     dense, topk = per_step["dense"], per_step["topkef"]
