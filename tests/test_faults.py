@@ -8,7 +8,6 @@ printed (pytest -s) and recorded as test properties.
 import os
 import statistics
 import struct
-import sys
 import time
 import zipfile
 
@@ -18,57 +17,61 @@ import torch
 import torch.nn as nn
 
 import hvd_topk
-from conftest import ROOT, WORKERS, OutOf, assert_identical_across_ranks, job
 from hvd_topk.step.checkpoint import CheckpointError
-from testbed.launch import JobFailed, run_job
+from testbed.launch import JobFailed
+from testbed.pytest_jobs import OutOf, job
+
+from conftest import assert_identical_across_ranks
 
 EXIT_LIMIT_S = 60          # every rank gone within this many seconds of one rank's death
 
 
 # -- a rank SIGKILLed mid-step ---------------------------------------------------------------------
 
-def _alive(pid, marker):
-    """Whether ``pid`` is still a running rank of our job (not a zombie, not a reused pid)."""
+def _alive(pid, killed_at):
+    """Whether ``pid`` is still a running rank of our job: not a zombie, and not a pid reused by a
+    process started after the kill."""
     try:
         proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and marker in " ".join(proc.cmdline())
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= killed_at
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 
 
-def _wait_gone(pids, marker, until):
+def _wait_gone(pids, killed_at, until):
     """time.time() when none of ``pids`` runs any more; polls until ``until`` at the latest."""
-    while any(_alive(pid, marker) for pid in pids) and time.time() < until:
+    while any(_alive(pid, killed_at) for pid in pids) and time.time() < until:
         time.sleep(0.1)
     return time.time()
 
 
-def run_killed_job(tmp_path, np, backend, mode):
-    """Run tests/workers/faults.py with rank 1 SIGKILLing itself at step 5 of 40; returns
-    (seconds from the kill to the launcher's return, seconds to the last rank gone, JobFailed)."""
-    out = tmp_path / f"killed-{backend}-{mode}"
-    out.mkdir()
-    argv = [sys.executable, os.path.join(WORKERS, "faults.py"), "--out", str(out), "--mode", mode,
-            "--steps", "40", "--kill-rank", "1", "--kill-step", "5"]
+def read_killed_job(results, killed):
+    """Read a job of tests/workers/faults.py whose rank 1 SIGKILLed itself; returns (seconds from the
+    kill to the launcher's return, seconds to the last rank gone, JobFailed)."""
     with pytest.raises(JobFailed) as failed:
-        run_job(np, argv, backend=backend, timeout=180, cwd=ROOT)
-    returned = time.time()
-    killed = float((out / "killed_at").read_text())
-    pids = [int((out / f"pid{r}").read_text()) for r in range(np)]
-    gone = _wait_gone(pids, str(out), until=killed + EXIT_LIMIT_S + 10)
-    assert not any(_alive(pid, str(out)) for pid in pids), "a rank outlived the job"
-    assert not any((out / f"rank{r}.pt").exists() for r in range(np)), "a rank finished training"
-    return returned - killed, gone - killed, failed.value
+        results(killed)
+    run = results.run(killed)
+    killed_at = float((run.folder / "killed_at").read_text())
+    pids = [int((run.folder / f"pid{r}").read_text()) for r in range(killed.np)]
+    gone = _wait_gone(pids, killed_at, until=killed_at + EXIT_LIMIT_S + 10)
+    assert not any(_alive(pid, killed_at) for pid in pids), "a rank outlived the job"
+    assert not any((run.folder / f"rank{r}.pt").exists() for r in range(killed.np)), "a rank finished training"
+    return run.ended - killed_at, gone - killed_at, failed.value
+
+
+KILLED = [(backend, mode) for mode in ("hvd_topk", "topkef") for backend in ("gloo", "mpi")]
 
 
 @pytest.mark.slow
-@pytest.mark.multirank
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
-@pytest.mark.parametrize("mode", ["hvd_topk", "topkef"])
-def test_sigkilled_rank_ends_every_rank(tmp_path, record_property, backend, mode):
-    """3 ranks, rank 1 SIGKILLed between backward and step(): the job fails and the other ranks
-    (inside the step's collectives) are gone within 60 s."""
-    returned_s, gone_s, failed = run_killed_job(tmp_path, 3, backend, mode)
+@pytest.mark.parametrize("killed", [
+    # a launch of its own: the test times the launcher's return after the kill
+    job(3, "faults.py", "--mode", mode, "--steps", 40, "--kill-rank", 1, "--kill-step", 5, backend=backend,
+        timeout=180, alone=True, fails=True) for backend, mode in KILLED], ids=[f"{m}-{b}" for b, m in KILLED])
+def test_sigkilled_rank_ends_every_rank(results, record_property, killed):
+    """3 ranks, rank 1 SIGKILLed between backward and step() at step 5 of 40: the job fails and the
+    other ranks (inside the step's collectives) are gone within 60 s."""
+    backend, mode = killed.backend, killed.args[1]
+    returned_s, gone_s, failed = read_killed_job(results, killed)
     print(f"\n{backend}/{mode}: launcher returned {returned_s:.1f} s after the SIGKILL, "
           f"last rank gone after {gone_s:.1f} s")
     record_property("launcher_returned_s", round(returned_s, 2))
@@ -288,18 +291,22 @@ def test_resume_with_another_ratio_keeps_ranks_identical(results):
     assert resumed[0]["state"]["step"] == 10
 
 
-def test_damaged_checkpoint_on_one_rank_fails_every_rank(run_ranks, tmp_path, record_property):
+SAVED_TO_DAMAGE = job(2, "opt_train.py", "--steps", 10, "--save-at", 4)    # no other test reads its files
+# a launch of its own, after the test damaged the checkpoint
+RESUMED_FROM_DAMAGED = job(2, "opt_train.py", "--steps", 10, "--resume", OutOf(SAVED_TO_DAMAGE, "ckpt.pt"),
+                           timeout=90, alone=True, fails=True)
+
+
+@pytest.mark.jobs(RESUMED_FROM_DAMAGED)
+def test_damaged_checkpoint_on_one_rank_fails_every_rank(results, record_property):
     """Rank 1's file corrupted: every rank raises at once (the ranks agree before loading), instead of
     rank 0 waiting in the next collective for a rank that died."""
-    first = tmp_path / "first"
-    run_ranks(2, "opt_train.py", "--steps", 10, "--save-at", 4, out=first, timeout=120)
-    damaged = first / "ckpt.pt.rank1-of-2"
+    damaged = results.path(SAVED_TO_DAMAGE, "ckpt.pt.rank1-of-2")
     flip_middle(damaged)
     before = damaged.read_bytes()
-    start = time.monotonic()
     with pytest.raises(JobFailed) as failed:
-        run_ranks(2, "opt_train.py", "--steps", 10, "--resume", first / "ckpt.pt", timeout=90)
-    elapsed = time.monotonic() - start
+        results(RESUMED_FROM_DAMAGED)
+    elapsed = results.run(RESUMED_FROM_DAMAGED).seconds
     record_property("job_failed_after_s", round(elapsed, 1))
     assert "timed out" not in str(failed.value).splitlines()[0]
     assert f"{damaged}: corrupted checkpoint file" in failed.value.output
@@ -322,21 +329,28 @@ def assert_trained_like_dense(results):
         assert not torch.equal(runs[kind]["0.weight"], runs["dense"]["0.weight"]), kind
 
 
+# launches of their own: each initialises Horovod on its communicator and shuts it down
+COMM_WORLD = job(2, "mpi4py_comm.py", backend="mpi", timeout=180, alone=True)
+SPLIT_COMM = job(4, "mpi4py_comm.py", "--split", backend="mpi", timeout=300, alone=True)
+
+
 @pytest.mark.slow
-def test_mpi4py_comm_world(run_ranks):
+@pytest.mark.jobs(COMM_WORLD)
+def test_mpi4py_comm_world(results):
     """hvd.init(comm=MPI.COMM_WORLD) under mpirun, 2 ranks."""
-    results = run_ranks(2, "mpi4py_comm.py", backend="mpi", timeout=180)
-    assert [(res["hvd_rank"], res["hvd_size"]) for res in results] == [(0, 2), (1, 2)]
-    assert_trained_like_dense(results)
+    ranks = results(COMM_WORLD)
+    assert [(res["hvd_rank"], res["hvd_size"]) for res in ranks] == [(0, 2), (1, 2)]
+    assert_trained_like_dense(ranks)
 
 
 @pytest.mark.slow
-def test_mpi4py_split_communicators_train_independently(run_ranks):
+@pytest.mark.jobs(SPLIT_COMM)
+def test_mpi4py_split_communicators_train_independently(results):
     """4 ranks, COMM_WORLD split by rank % 2: hvd.init(comm=half); each half is a 2-rank Horovod job."""
-    results = run_ranks(4, "mpi4py_comm.py", "--split", backend="mpi", timeout=300)
-    assert [(res["color"], res["hvd_rank"], res["hvd_size"]) for res in results] == \
+    ranks = results(SPLIT_COMM)
+    assert [(res["color"], res["hvd_rank"], res["hvd_size"]) for res in ranks] == \
         [(0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 1, 2)]
     for color in (0, 1):
-        assert_trained_like_dense([res for res in results if res["color"] == color])
+        assert_trained_like_dense([res for res in ranks if res["color"] == color])
     # the halves averaged different data: had Horovod used COMM_WORLD, all four would be identical
-    assert not torch.equal(results[0]["runs"]["dense"]["0.weight"], results[1]["runs"]["dense"]["0.weight"])
+    assert not torch.equal(ranks[0]["runs"]["dense"]["0.weight"], ranks[1]["runs"]["dense"]["0.weight"])
