@@ -243,7 +243,7 @@ def auto_vs_fixed(arms, link):
     target: within 5% of the fastest (on the unlimited link: of dense). None without both."""
     fixed = {n: a for n, a in arms.items() if n in FIXED_TRANSPORTS and a["step_ms"]}
     auto = arms.get("hvd_topk auto")
-    if not auto or not fixed:
+    if not auto or not auto["step_ms"] or not fixed:
         return None
     best = min(fixed, key=lambda n: fixed[n]["step_ms"])
     out = {"fastest_fixed": best, "vs_fastest": auto["step_ms"] / fixed[best]["step_ms"] - 1,

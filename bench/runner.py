@@ -4,8 +4,9 @@ In every rank (``python -m bench.runner SPEC.json``, started by ``drive``): ever
 of the task's model (same seed, so the same weights) and sees the same batches. First each arm runs
 ``warmup`` steps alone (PowerSGD's dense steps among them; ``hvd_topk auto`` until its probe and its
 trial of plans are over, at most ``max_warmup`` steps). Then the arms take turns of ``turn`` steps, the
-order rotating every round, until each has made ``steps`` steps: a slow spell of the machine falls on
-all arms alike. Per arm:
+order rotating every round, until each has made ``steps - warmup`` steps in turns (``steps`` in all;
+auto, after its longer warm-up, as many in turns): a slow spell of the machine falls on all arms alike.
+Per arm:
 
 - step time: rank 0's wall time from ``zero_grad()`` to the end of ``step()``; the median is over the
   steps of the turns, less each turn's first step when turns are longer than one step (it follows
@@ -102,7 +103,7 @@ def train_step(arm, task, spec, group, rank):
     if hasattr(arm.opt, "stats"):
         arm.stats.append({k: v for k, v in arm.opt.stats().items()
                           if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    if arm.steps % spec["eval_every"] == 0 or arm.steps == spec["steps"]:
+    if arm.steps % spec["eval_every"] == 0 or arm.steps == arm.last_step:
         if rank == 0:
             m = task.evaluate(arm.model)
             arm.curve.append([arm.steps, sum(arm.step_s), m["accuracy"], m["loss"]])
@@ -111,17 +112,20 @@ def train_step(arm, task, spec, group, rank):
 
 
 def train(arms, task, spec, group, rank, local_rank, size):
-    """The warm-up of each arm alone, then the rotating turns; returns the rounds."""
+    """The warm-up of each arm alone, then the rotating turns until every arm has made ``steps -
+    warmup`` steps in turns (an arm whose warm-up ran longer, auto's, makes as many); returns the rounds."""
     for arm in arms:
+        arm.last_step = spec["steps"]
         while arm.steps < spec["warmup"] or auto_busy(arm):
             if arm.steps >= spec["max_warmup"]:
                 raise RuntimeError(f"{arm.name}: still probing or in its trial after {arm.steps} steps (max_warmup)")
             train_step(arm, task, spec, group, rank)
+        arm.last_step = arm.steps + spec["steps"] - spec["warmup"]
     rounds = 0
-    while any(arm.steps < spec["steps"] for arm in arms):
+    while any(arm.steps < arm.last_step for arm in arms):
         for j in range(len(arms)):
             arm = arms[(rounds + j) % len(arms)]
-            n = min(spec["turn"], spec["steps"] - arm.steps)
+            n = min(spec["turn"], arm.last_step - arm.steps)
             if n <= 0:
                 continue
             tx0 = group.host_tx(spec["iface"], local_rank)

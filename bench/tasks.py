@@ -226,9 +226,9 @@ class Task:
         return kind(groups, lr=r["lr"], betas=r.get("betas", (0.9, 0.999)))
 
     def lr_at(self, step):
-        """The learning rate of ``step``: the recipe's, or (``warmup`` in it) a linear warm-up then a
-        cosine to a tenth at the run's end, as examples/char_lm.py's."""
-        lr, warmup = self.recipe["lr"], min(self.recipe.get("warmup", 0), max(1, self.steps // 10))
+        """The learning rate of ``step``: the recipe's, or (``warmup`` in it) examples/char_lm.py's
+        schedule: a linear warm-up of 50 steps (at most half the run), then a cosine to a tenth at its end."""
+        lr, warmup = self.recipe["lr"], min(self.recipe.get("warmup", 0), max(1, self.steps // 2))
         if not warmup:
             return lr
         if step < warmup:

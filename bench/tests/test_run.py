@@ -80,9 +80,11 @@ def test_the_folder_holds_every_file(every_kind):
 @pytest.mark.slow
 def test_tbf_link_bytes_against_the_theoretical(tmp_path):
     """The wide CNN through a 1 Gbit/s tbf link: every compressed arm within 1.1x of what its scheme
-    must send and under 1/20 of dense's bytes; float16 values save a quarter of allgather's."""
+    must send and under 1/20 of dense's bytes; float16 values save a quarter of allgather's. A 20 ms
+    Horovod cycle: at Horovod's 1 ms, its control plane adds about 100 kB to a 270 ms TopKEF step
+    (measured 1.20x the payload), which is not what this checks."""
     s = bench_run(tmp_path, "--link", "1gbit", "--arms", "horovod dense,topkef,hvd_topk artopk,hvd_topk allgather,"
-                  "hvd_topk allgather fp16", "--steps", "12", "--turn", "3", "--eval-every", "12")
+                  "hvd_topk allgather fp16", "--steps", "12", "--turn", "3", "--eval-every", "12", "--cycle-ms", "20")
     a = s["arms"]
     assert a["horovod dense"]["bytes"] >= 0.95 * a["horovod dense"]["theoretical_bytes"]
     for name in ("topkef", "hvd_topk artopk", "hvd_topk allgather", "hvd_topk allgather fp16"):
@@ -94,10 +96,12 @@ def test_tbf_link_bytes_against_the_theoretical(tmp_path):
 @pytest.mark.slow
 def test_auto_runs_its_probe_and_trial_alone_first(tmp_path):
     s = bench_run(tmp_path, "--task", "cnn", "--arms", "horovod dense,hvd_topk auto", "--steps", "12", "--turn", "2",
-                  "--eval-every", "12", "--max-warmup", "300")
+                  "--eval-every", "12", "--max-warmup", "600")
     record = json.loads((tmp_path / "records.json").read_text())["records"][0]
     auto = record["arms"]["hvd_topk auto"]
-    assert auto["steps"] > 12 and record["arms"]["horovod dense"]["steps"] == 12     # its warm-up ran past --steps
+    dense = record["arms"]["horovod dense"]
+    # its warm-up ran past --warmup; then as many steps in turns as dense
+    assert auto["steps"] > 12 and dense["steps"] == 12 and len(auto["measured_s"]) == len(dense["measured_s"]) == 4
     assert any(str(h[3]).startswith("trial, ") for h in auto["auto"]["history"])
     assert s["auto"]["fastest_fixed"] == "horovod dense" and s["auto"]["met"] is not None   # JSON: lists
 
