@@ -3,10 +3,11 @@
 A launch costs seconds on a small machine (horovodrun, two imports of torch and Horovod, Gloo's
 rendezvous), often more than the run it starts. So a test declares the runs it reads as ``Job``
 values, ``job(np, worker, *args)``, in its parameters or in ``@pytest.mark.jobs(...)``, and reads each
-with the ``results`` fixture. After collection, the selected tests' jobs are grouped by test file,
-rank count and launch settings (backend, environment, network namespace); each group runs in one
-launch (testbed/batch.py) the first time a test asks for one of its jobs. Each test still asserts on
-its own jobs, so a failure names its test; a job that fails fails only the tests that read it.
+with the ``results`` fixture. After collection, the selected tests' jobs are grouped by rank count and
+launch settings (backend, environment, network namespace) across a test folder (a slow test's jobs,
+or jobs that register process sets, across their test file only); each group runs in one launch
+(testbed/batch.py) the first time a test asks for one of its jobs. Each test still asserts on its own
+jobs, so a failure names its test; a job that fails fails only the tests that read it.
 
 Loaded for every test folder by the repository's root conftest.py (``pytest_plugins``). A worker
 named by its file name lives in the ``workers/`` folder beside the test file that declares it and
@@ -58,10 +59,10 @@ class Job:
     timeout: float = 240
     fails: bool = False
 
-    def group(self, test_file):
-        """The launch this job shares: its test file's jobs of the same ranks and launch settings (and
-        ``alone`` label)."""
-        return (test_file, self.np, self.backend, self.env, self.netns, self if self.alone is True else self.alone)
+    def group(self, scope):
+        """The launch this job shares: the jobs of the same ranks and launch settings (and ``alone``
+        label) of the tests in ``scope`` (a test folder, or one test file)."""
+        return (scope, self.np, self.backend, self.env, self.netns, self if self.alone is True else self.alone)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +148,8 @@ def _jobs_in(value):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "jobs(*jobs): the testbed.pytest_jobs Jobs a test reads, run with its "
-                                       "file's other jobs in shared launches")
+    config.addinivalue_line("markers", "jobs(*jobs): the testbed.pytest_jobs Jobs a test reads, run with other "
+                                       "tests' jobs in shared launches")
 
 
 def pytest_collection_modifyitems(items):
@@ -159,19 +160,61 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.multirank)
 
 
+def _script(folder, worker):
+    """The worker's file: in ``folder``/workers, or from the repository root; and whether it is in workers/."""
+    own = os.sep not in worker and "/" not in worker
+    return (os.path.join(folder, "workers", worker) if own else os.path.join(ROOT, worker)), own
+
+
+def _registers_process_sets(folder, j):
+    """Whether the job's worker registers process sets at ``hvd.init``, which only a launch's first
+    ``hvd.init`` does: such a job shares launches only with its own test file's jobs, as written for."""
+    try:
+        with open(_script(folder, j.worker)[0]) as f:
+            return "process_sets=" in f.read()
+    except OSError:
+        return False
+
+
+def _scope(item, jobs):
+    """Which tests' jobs share this test's launches: its folder's (the fast tests'), or its file's (a
+    slow test's, so that no launch holds minutes of another file's accuracy runs; or a test whose jobs
+    register process sets)."""
+    folder = str(item.path.parent)
+    slow = item.get_closest_marker("slow") is not None
+    return str(item.path) if slow or any(_registers_process_sets(folder, j) for j in jobs) else folder
+
+
 def pytest_collection_finish(session):
-    groups = {}                     # Job.group -> its jobs, in the order they must run
+    plan = _Plan()
     for item in session.items:      # the selected tests only (after -k, -m, --deselect)
         values = list(getattr(getattr(item, "callspec", None), "params", {}).values())
         for marker in item.iter_markers("jobs"):
             values.extend(marker.args)
-        for j in _jobs_in(values):
-            group = groups.setdefault(j.group(str(item.path)), [])
+        jobs = list(_jobs_in(values))
+        scope = _scope(item, jobs)
+        plan.folders[scope] = str(item.path.parent)
+        for j in jobs:
+            plan.scopes[item.nodeid, j] = scope
+            group = plan.groups.setdefault(j.group(scope), [])
             if j not in group:
                 group.append(j)
-    for group in groups.values():   # stable: the others in their order, then the jobs expected to fail
+    for group in plan.groups.values():  # stable: the others in their order, then the jobs expected to fail
         group.sort(key=lambda j: j.fails)
-    session.config.stash[_PLAN] = groups
+    timeouts = {key: sum(j.timeout for j in group) for key, group in plan.groups.items()}
+    if session.config.pluginmanager.hasplugin("timeout"):
+        for item in session.items:      # a test may run its groups' launches: their own timeouts guard them
+            keys = {j.group(scope) for (nodeid, j), scope in plan.scopes.items() if nodeid == item.nodeid}
+            if keys:
+                item.add_marker(pytest.mark.timeout(sum(timeouts[k] for k in keys) + 120 * len(keys)))
+    session.config.stash[_PLAN] = plan
+
+
+class _Plan:
+    def __init__(self):
+        self.groups = {}            # Job.group(scope) -> its jobs, in the order they must run
+        self.scopes = {}            # (test's node id, job) -> the scope its launches are shared in
+        self.folders = {}           # scope -> the test folder (its workers/ folder holds the workers)
 
 
 _PLAN = pytest.StashKey()
@@ -180,47 +223,45 @@ _PLAN = pytest.StashKey()
 class SharedJobs:
     """Runs each group of declared jobs in one launch when first needed."""
 
-    def __init__(self, groups, tmp_path_factory):
-        self.groups = groups
+    def __init__(self, plan, tmp_path_factory):
+        self.plan = plan
         self.tmp = tmp_path_factory
-        self.runs = {}              # (test file, job) -> JobRun
+        self.runs = {}              # (scope, job) -> JobRun
 
-    def run(self, test_file, j):
-        """The ``JobRun`` of job ``j``, declared by a test of ``test_file``; runs its group if needed."""
-        key = j.group(test_file)
-        assert j in self.groups.get(key, ()), f"{j} is not declared: list it in the test's parameters or " \
-                                              "in @pytest.mark.jobs(...)"
-        if (test_file, j) not in self.runs:
-            self._launch(key)
-        return self.runs[test_file, j]
+    def run(self, nodeid, j):
+        """The ``JobRun`` of job ``j``, declared by the test ``nodeid``; runs its group if needed."""
+        scope = self.plan.scopes.get((nodeid, j))
+        assert scope is not None, f"{j} is not declared: list it in the test's parameters or in @pytest.mark.jobs(...)"
+        if (scope, j) not in self.runs:
+            self._launch(j.group(scope))
+        return self.runs[scope, j]
 
     def _launch(self, key):
         from testbed.batch import run_entries
 
-        test_file = key[0]
-        todo = [j for j in self.groups[key] if (test_file, j) not in self.runs]
+        scope = key[0]
+        todo = [j for j in self.plan.groups[key] if (scope, j) not in self.runs]
         for j in todo:              # files read from a job of another group: that group first
             for a in j.args:
-                if isinstance(a, OutOf) and a.job not in todo and (test_file, a.job) not in self.runs:
-                    self._launch(a.job.group(test_file))
+                if isinstance(a, OutOf) and a.job not in todo and (scope, a.job) not in self.runs:
+                    self._launch(a.job.group(scope))
         folders = {j: self.tmp.mktemp(os.path.basename(j.worker).removesuffix(".py")) for j in todo}
-        entries = [self._argv(test_file, j, folders) for j in todo]
+        entries = [self._argv(scope, j, folders) for j in todo]
         first = todo[0]
         launch = dict(backend=first.backend, cwd=ROOT,
                       env={k: str(folders[first] / v.name) if isinstance(v, Out) else v for k, v in first.env})
         with _namespace(first.netns) as prefix:
             outcomes = run_entries(first.np, entries, timeout_each=[j.timeout for j in todo], prefix=prefix, **launch)
         for j, outcome in zip(todo, outcomes):
-            self.runs[test_file, j] = JobRun(folders[j], *outcome)
+            self.runs[scope, j] = JobRun(folders[j], *outcome)
 
-    def _argv(self, test_file, j, folders):
+    def _argv(self, scope, j, folders):
         """The worker's command line: its script, ``--out`` for workers/, its arguments with paths."""
-        own = os.sep not in j.worker and "/" not in j.worker
-        script = os.path.join(os.path.dirname(test_file), "workers", j.worker) if own else os.path.join(ROOT, j.worker)
+        script, own = _script(self.plan.folders[scope], j.worker)
         if not os.path.isfile(script):
             raise ValueError(f"worker {j.worker!r}: no such file {script}")
         args = [str(folders[j] / a.name) if isinstance(a, Out) else
-                str(self.runs[test_file, a.job].folder / a.name) if isinstance(a, OutOf) and a.job not in folders else
+                str(self.runs[scope, a.job].folder / a.name) if isinstance(a, OutOf) and a.job not in folders else
                 str(folders[a.job] / a.name) if isinstance(a, OutOf) else a for a in j.args]
         return [script, *(["--out", str(folders[j])] if own else []), *args]
 
@@ -240,8 +281,8 @@ class JobResults:
     """What the ``results`` fixture gives a test: ``results(job)``, ``results.path(job, name)`` and
     ``results.run(job)`` for the jobs it declared."""
 
-    def __init__(self, shared, test_file):
-        self.shared, self.test_file = shared, test_file
+    def __init__(self, shared, nodeid):
+        self.shared, self.nodeid = shared, nodeid
 
     def __call__(self, j):
         """The per-rank result dicts the worker saved (``rank<r>.pt``, or ``rank<r>.json``); raises the
@@ -270,7 +311,7 @@ class JobResults:
     def run(self, j):
         """The job's ``JobRun`` (folder, failure, output, seconds), however it ended: for jobs expected to
         fail, or whose output or time is read."""
-        return self.shared.run(self.test_file, j)
+        return self.shared.run(self.nodeid, j)
 
 
 @pytest.fixture(scope="session")
@@ -280,6 +321,6 @@ def _shared_jobs(request, tmp_path_factory):
 
 @pytest.fixture
 def results(request, _shared_jobs):
-    """``results(job)``: the per-rank result dicts of a job this test declared, run with its file's
-    other jobs in one launch; ``results.path(job, name)``, ``results.run(job)``: see ``JobResults``."""
-    return JobResults(_shared_jobs, str(request.path))
+    """``results(job)``: the per-rank result dicts of a job this test declared, run with other tests'
+    jobs in one launch; ``results.path(job, name)``, ``results.run(job)``: see ``JobResults``."""
+    return JobResults(_shared_jobs, request.node.nodeid)

@@ -60,24 +60,3 @@ def hvd():
     import horovod.torch as hvd
     hvd.init()
     return hvd
-
-
-@pytest.fixture
-def run_ranks(tmp_path):
-    """Run a test worker on N real ranks; returns the per-rank result dicts saved by the worker."""
-    from testbed.launch import run_job
-
-    def run(np, worker, *args, backend="gloo", timeout=240, prefix=(), out=None):
-        out = out or tmp_path / f"job{len(list(tmp_path.iterdir()))}"
-        out.mkdir()
-        argv = [sys.executable, os.path.join(WORKERS, worker), "--out", str(out), *map(str, args)]
-        run_job(np, argv, backend=backend, timeout=timeout, prefix=prefix, cwd=ROOT)
-        return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
-
-    return run
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if "run_ranks" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.multirank)
