@@ -5,7 +5,7 @@ an owner's region in split_reduce) as one uint8 buffer, native byte order, each 
 of 4 bytes so that it is read in place::
 
     header   8 bytes: k (int32), the value kind (int16), the power-of-two scale exponent (int16)
-    values   k x 2 or 4 bytes, in index order: bf16, fp16 (scaled by 2**exponent) or fp32
+    values   k x 2, 4 or 8 bytes, in index order: bf16, fp16 (scaled by 2**exponent), fp32 (or fp64)
     counts   entries per 65,536-index block of the range but the last (k minus the others): uint16
              while k < 65,536 (no block can then hold 65,536), else int32; none when k = 0
     offsets  k x 2 bytes: each index minus lo, modulo 65,536 (its block follows from the counts)
@@ -17,10 +17,8 @@ bytes per 65,536 indices of the range, so a bf16 or fp16 message costs 4.003 byt
 few vectorised passes, where variable-width deltas need a scan, and a bitmap (hi - lo bits) beats
 2 bytes per entry only above 1/16 of the range, where a dense allreduce wins anyway.
 
-pack + unpack, one thread, CPU time, bf16 (fp16 and fp32 within 10%), against ``to_rows`` +
-``from_rows`` of hvd_topk/transports/split_reduce.py (8 bytes per entry): k = 63,000 of 6.3M,
-2.0 ms (1.1 ms with indices already sorted) against 1.0 ms; k = 1M of 100M, 38 ms (19 ms sorted)
-against 19 ms. Sorting dominates; ``pack`` skips it when the indices come sorted.
+pack + unpack, one thread, bf16 (fp16, fp32 within 10%): k = 63,000 of 6.3M 2.0 ms (1.1 ms sorted), k = 1M
+of 100M 38 ms (19 ms sorted), against 1.0 and 19 ms for 8-byte rows; ``pack`` skips the sort of sorted indices.
 """
 import math
 
@@ -30,11 +28,14 @@ import torch
 from .validate import check_choice, check_int
 from .wire import CODEC_BLOCK, CODEC_HEADER_BYTES, CODEC_OFFSET_BYTES, CODEC_VALUE_BYTES
 
-__all__ = ["VALUE_KINDS", "MAX_SPAN", "sent_values", "packed_nbytes", "pack", "unpack", "split_messages"]
+__all__ = ["VALUE_KINDS", "KINDS", "MAX_SPAN", "sent_values", "packed_nbytes", "pack", "unpack", "message_nbytes",
+           "split_messages"]
 
-VALUE_KINDS = ("bf16", "fp16", "fp32")
+VALUE_KINDS = ("bf16", "fp16", "fp32")    # the kinds of float32 values; float64 values go as 'fp64', unchanged
+KINDS = VALUE_KINDS + ("fp64",)
 MAX_SPAN = 1 << 31                  # indices below 2**31 (int32, as elsewhere on the wire); larger tensors refused
-_KIND_CODES = {"fp32": 0, "bf16": 1, "fp16": 2}
+_KIND_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "fp64": 3}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 _BLOCK_BITS = CODEC_BLOCK.bit_length() - 1
 # fp16's scale puts the largest finite magnitude in [2**14, 2**15): rounding it to 11 bits gives at most
 # 2**15, below fp16's largest finite value (65504), and leaves 2**38 below it before fp16's smallest step.
@@ -58,6 +59,9 @@ def _largest_finite(values):
 def _sort_by_index(relative, codes):
     """(relative, codes) in index order. One sort of int64 keys (index, then the code's bits) moves both;
     on the CPU numpy's vectorised sort, several times faster here than torch's comparison sort."""
+    if codes.element_size() == 8:                             # fp64: no room for the code beside the index
+        order = torch.argsort(relative, stable=True)
+        return relative[order], codes[order]
     width = 8 * codes.element_size()
     bits_dtype = torch.int16 if width == 16 else torch.int32
     keys = (relative.long() << width) | (codes.view(bits_dtype).long() & ((1 << width) - 1))
@@ -66,14 +70,16 @@ def _sort_by_index(relative, codes):
 
 
 def _decode(codes, exponent):
-    """New float32 values of a message's codes (bf16, fp16 or fp32; fp16 scaled by 2**exponent)."""
+    """New float32 values of a message's codes (bf16, fp16 or fp32; fp16 scaled by 2**exponent); fp64's own."""
+    if codes.dtype == torch.float64:
+        return codes.clone()
     return _times_pow2(codes.to(torch.float32, copy=True), -exponent)
 
 
 def _encode(values, value_kind):
     """(codes, exponent): ``values`` (float32) rounded to nearest in ``value_kind``, fp16 after scaling by
     2**exponent; a finite value whose code would decode to inf takes the next code toward zero."""
-    if value_kind == "fp32":
+    if value_kind in ("fp32", "fp64"):
         return values, 0
     largest = _largest_finite(values)
     if value_kind == "bf16":
@@ -106,8 +112,8 @@ def sent_values(values, value_kind="bf16"):
     fp16's scale comes from the finite ones, and no finite value ever becomes inf.
 
     Args:
-        values: 1-D float32 tensor.
-        value_kind: 'bf16', 'fp16' (with a per-message power-of-two scale) or 'fp32' (values unchanged).
+        values: 1-D float32 tensor (float64 for 'fp64').
+        value_kind: 'bf16', 'fp16' (with a per-message power-of-two scale), 'fp32' or 'fp64' (unchanged).
 
     Returns:
         1-D float32 tensor, elementwise the decoded value of each of ``values`` (same order).
@@ -116,26 +122,25 @@ def sent_values(values, value_kind="bf16"):
         >>> sent_values(torch.tensor([1.0, 1 / 3, 3.4e38]), "bf16").tolist()
         [1.0, 0.333984375, 3.3895313892515355e+38]
     """
-    _check_values(values)
-    return _decode(*_encode(values, check_choice("value_kind", value_kind, VALUE_KINDS)))
+    _check_values(values, check_choice("value_kind", value_kind, KINDS))
+    return _decode(*_encode(values, value_kind))
 
 
-def _described(x):
-    """What a bad tensor argument was, for its error message."""
+def _described(x):                                            # a bad tensor argument, for its error message
     return f"{getattr(x, 'dtype', type(x))} of shape {tuple(getattr(x, 'shape', ()))}"
 
 
-def _check_values(values):
-    if not isinstance(values, torch.Tensor) or values.dtype != torch.float32 or values.dim() != 1:
-        raise ValueError(f"values must be a 1-D float32 tensor, got {_described(values)}")
+def _check_values(values, value_kind):
+    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.dtype != (
+            torch.float64 if value_kind == "fp64" else torch.float32):
+        raise ValueError(f"values must be a 1-D float32 tensor (float64 for 'fp64'), got {_described(values)}")
 
 
 def _sections(k, span, value_kind):
     """[(start, end, dtype)] of the values, block counts and offsets of a message, and its size in bytes."""
     blocks = -(-span // CODEC_BLOCK) - 1 if k else 0
     count_dtype = torch.int16 if k < CODEC_BLOCK else torch.int32
-    value_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[value_kind]
-    parts = [(CODEC_VALUE_BYTES[value_kind] * k, value_dtype), (count_dtype.itemsize * blocks, count_dtype),
+    parts = [(CODEC_VALUE_BYTES[value_kind] * k, _DTYPES[value_kind]), (count_dtype.itemsize * blocks, count_dtype),
              (CODEC_OFFSET_BYTES * k, torch.int16)]
     start, sections = CODEC_HEADER_BYTES, []
     for size, dtype in parts:
@@ -150,7 +155,7 @@ def packed_nbytes(k, span, value_kind="bf16"):
     Args:
         k: entries in the message, 0 <= k <= span.
         span: hi - lo of the message's index range, 0 <= span <= 2**31.
-        value_kind: 'bf16', 'fp16' or 'fp32'.
+        value_kind: 'bf16', 'fp16', 'fp32' or 'fp64'.
 
     Returns:
         int, bytes: a multiple of 4; 8 for an empty message.
@@ -161,17 +166,17 @@ def packed_nbytes(k, span, value_kind="bf16"):
     """
     span = check_int("span", span, 0, MAX_SPAN)
     k = check_int("k", k, 0, span)
-    return _sections(k, span, check_choice("value_kind", value_kind, VALUE_KINDS))[1]
+    return _sections(k, span, check_choice("value_kind", value_kind, KINDS))[1]
 
 
 def pack(values, indices, lo, hi, value_kind="bf16"):
     """One message of the entries (values, indices) whose indices lie in [lo, hi), in index order.
 
     Args:
-        values: 1-D float32 tensor of the k entries' values (k = 0: an empty message).
+        values: 1-D float32 tensor of the k entries' values (k = 0: an empty message); float64 for 'fp64'.
         indices: 1-D integer tensor of their indices, lo <= index < hi, distinct, in any order.
         lo, hi: the message's index range, 0 <= lo <= hi <= 2**31 (larger tensors are refused).
-        value_kind: 'bf16', 'fp16' or 'fp32' (``sent_values`` says what each does to the values).
+        value_kind: 'bf16', 'fp16', 'fp32' or 'fp64' (``sent_values`` says what each does to the values).
 
     Returns:
         1-D uint8 tensor of ``packed_nbytes(k, hi - lo, value_kind)`` bytes (module docstring).
@@ -182,17 +187,15 @@ def pack(values, indices, lo, hi, value_kind="bf16"):
         (20, (tensor([-2.0000,  0.5000]), tensor([    3, 70000])))
     """
     span = check_int("hi", hi, check_int("lo", lo, 0, MAX_SPAN), MAX_SPAN) - lo
-    _check_values(values)
-    check_choice("value_kind", value_kind, VALUE_KINDS)
+    _check_values(values, check_choice("value_kind", value_kind, KINDS))
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.numel() != values.numel() \
             or indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
         raise ValueError(f"indices must be a 1-D integer tensor of {values.numel()} entries (one per value), "
                          f"got {_described(indices)}")
     k = indices.numel()
-    if k:
-        least, most = (int(x) for x in torch.aminmax(indices))
-        if least < lo or most >= hi:
-            raise ValueError(f"indices must lie in [lo, hi) = [{lo}, {hi}), got {least} to {most}")
+    least, most = (int(x) for x in torch.aminmax(indices)) if k else (lo, hi - 1)
+    if least < lo or most >= hi:
+        raise ValueError(f"indices must lie in [lo, hi) = [{lo}, {hi}), got {least} to {most}")
     if k > span:
         raise ValueError(f"indices must be distinct: got {k} of a range of {span} indices")
     codes, exponent = _encode(values, value_kind)
@@ -249,8 +252,8 @@ def unpack(buf, lo, hi):
     if k > span or buf.numel() != size:
         raise ValueError(f"buf holds {buf.numel()} bytes, a message of {k} entries of a range of {span} "
                          f"indices needs {size} (and k <= {span}); unpack takes one message for the same range")
-    if buf.storage_offset() % 4 or not buf.is_contiguous():
-        buf = buf.clone()                                     # views of 4-byte items start at multiples of 4
+    if buf.storage_offset() % max(4, _DTYPES[value_kind].itemsize) or not buf.is_contiguous():
+        buf = buf.clone()                   # views of 4- (8-) byte items start at multiples of 4 (8)
     values = _decode(buf[values_at[0]:values_at[1]].view(values_at[2]), exponent)
     offsets = buf[offsets_at[0]:offsets_at[1]].view(torch.int16).long() & (CODEC_BLOCK - 1)
     counts = buf[counts_at[0]:counts_at[1]].view(counts_at[2]).long() & (2 ** (8 * counts_at[2].itemsize) - 1)
@@ -260,6 +263,13 @@ def unpack(buf, lo, hi):
     counts = torch.cat([counts, counts.new_full((1,), last)])
     blocks = torch.repeat_interleave(torch.arange(counts.numel(), device=buf.device), counts, output_size=k)
     return values, blocks.mul_(CODEC_BLOCK).add_(offsets).add_(lo)
+
+
+def message_nbytes(buf, span):
+    """The size of the message that starts ``buf`` (of a range ``span`` long), read from its header: e.g. 16
+    for one entry of a range of 10 (``packed_nbytes(1, 10)``)."""
+    k, value_kind, _ = _header(buf)
+    return packed_nbytes(k, span, value_kind)
 
 
 def split_messages(buf, spans):
@@ -280,8 +290,7 @@ def split_messages(buf, spans):
     """
     messages, at = [], 0
     for span in spans:
-        k, value_kind, _ = _header(buf[at:])
-        size = packed_nbytes(k, span, value_kind)
+        size = message_nbytes(buf[at:], span)
         if at + size > buf.numel():
             raise ValueError(f"buf ends inside message {len(messages)}: {buf.numel()} bytes, it needs {at + size}")
         messages.append(buf[at:at + size])

@@ -16,6 +16,6 @@ HIST_BYTES = (HIST_BINS + 2) * 4
 CODEC_BLOCK = 1 << 16             # an index is its block's count plus a 16-bit offset within the block
 CODEC_HEADER_BYTES = 8            # k (int32), the value kind and the power-of-two scale (int16 each)
 CODEC_OFFSET_BYTES = 2            # per entry: its index's offset within its block
-CODEC_VALUE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}      # per entry, by value kind
+CODEC_VALUE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}      # per entry, by value kind
 # Per entry, headers and block counts aside (they add 2-4 bytes per 65,536 indices of the range)
 CODEC_ENTRY_BYTES = {kind: size + CODEC_OFFSET_BYTES for kind, size in CODEC_VALUE_BYTES.items()}
