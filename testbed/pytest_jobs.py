@@ -4,8 +4,8 @@ A launch costs seconds on a small machine (horovodrun, two imports of torch and 
 rendezvous), often more than the run it starts. So a test declares the runs it reads as ``Job``
 values, ``job(np, worker, *args)``, in its parameters or in ``@pytest.mark.jobs(...)``, and reads each
 with the ``results`` fixture. After collection, the selected tests' jobs are grouped by rank count and
-launch settings (backend, environment, network namespace) across a test folder (a slow test's jobs,
-or jobs that register process sets, across their test file only); each group runs in one launch
+launch settings (backend, environment, network namespace) across a test folder (jobs that register
+process sets, across their test file only); each group runs in one launch
 (testbed/batch.py) the first time a test asks for one of its jobs. Each test still asserts on its own
 jobs, so a failure names its test; a job that fails fails only the tests that read it.
 
@@ -177,12 +177,10 @@ def _registers_process_sets(folder, j):
 
 
 def _scope(item, jobs):
-    """Which tests' jobs share this test's launches: its folder's (the fast tests'), or its file's (a
-    slow test's, so that no launch holds minutes of another file's accuracy runs; or a test whose jobs
-    register process sets)."""
+    """Which tests' jobs share this test's launches: its folder's, or its file's when its jobs register
+    process sets."""
     folder = str(item.path.parent)
-    slow = item.get_closest_marker("slow") is not None
-    return str(item.path) if slow or any(_registers_process_sets(folder, j) for j in jobs) else folder
+    return str(item.path) if any(_registers_process_sets(folder, j) for j in jobs) else folder
 
 
 def pytest_collection_finish(session):
