@@ -61,12 +61,17 @@ p.add_argument("--auto-every", type=int, default=50)
 p.add_argument("--skew-clock-rank", type=int, default=-1, help="this rank's step clock runs 5x fast")
 p.add_argument("--overflow-one-tensor", action="store_true",
                help="make only one tensor's gradient non-finite (a hook), instead of the loss")
+p.add_argument("--timeline", default=None,
+               help="Horovod's timeline of this run alone, from hvd.init to the end (the launch needs "
+                    "HOROVOD_TIMELINE=DYNAMIC)")
 args = p.parse_args()
 host = socket.gethostname()
 save_path = (args.save_path or os.path.join(args.out, "ckpt.pt")).replace("{host}", host)
 resume_path = args.resume and args.resume.replace("{host}", host)
 
 hvd.init()
+if args.timeline:
+    hvd.start_timeline(args.timeline)
 torch.set_num_threads(1)
 dtype = getattr(torch, args.dtype)
 torch.manual_seed(1234 + hvd.rank())           # different init per rank: broadcast must fix it
@@ -181,6 +186,8 @@ for step in range(start, args.steps):
         if not args.continue_after_save:
             break
 
+if args.timeline:
+    hvd.stop_timeline()
 result = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}, "initial": initial,
           "initial_inner": initial_inner,
           "grads": grads, "stats": stats, "skipped": skipped,
