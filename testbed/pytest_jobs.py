@@ -5,9 +5,9 @@ rendezvous), often more than the run it starts. So a test declares the runs it r
 values, ``job(np, worker, *args)``, in its parameters or in ``@pytest.mark.jobs(...)``, and reads each
 with the ``results`` fixture. After collection, the selected tests' jobs are grouped by rank count and
 launch settings (backend, environment, network namespace) across a test folder (jobs that register
-process sets, across their test file only); each group runs in one launch
-(testbed/batch.py) the first time a test asks for one of its jobs. Each test still asserts on its own
-jobs, so a failure names its test; a job that fails fails only the tests that read it.
+process sets, across their test file only); each group runs in one launch (testbed/batch.py) the
+first time a test asks for one of its jobs. Each test still asserts on its own jobs, so a failure
+names its test; a job that fails fails only the tests that read it.
 
 Loaded for every test folder by the repository's root conftest.py (``pytest_plugins``). A worker
 named by its file name lives in the ``workers/`` folder beside the test file that declares it and
