@@ -5,7 +5,8 @@ steps against a float64 PowerSGD written here from the paper and torch's hook (Q
 orthogonalization, the seed rule restated), identical on every rank; error feedback exact over the
 ranks; conv weights as out x in*kh*kw; the twofold rule and 1-D tensors dense; a non-finite step
 skipped everywhere with Q and residuals kept; a state_dict round trip bit for bit; one allreduce per
-phase and dtype; a process set; start and finish orders that differ per rank. In one process (world
+phase and dtype; a process set; start and finish orders that differ per rank; the sums through 2
+emulated hosts of 2 ranks (4 ranks, their host and cross process sets), as the flat transport's. In one process (world
 size 1): the pure functions and the argument checks.
 """
 import math
@@ -24,6 +25,7 @@ SHAPES = {"conv": (6, 3, 3, 3), "fc": (20, 12), "bias": (20,), "thin": (3, 40)}
 RANK, SEED, STEPS, NAN_STEP, SAVE_AT = 2, 7, 5, 3, 1
 COMPRESSED, DENSE = ("conv", "fc"), ("bias", "thin")
 JOBS = {2: job(2, "lowrank.py"), 3: job(3, "lowrank.py", "--set", "0,2")}
+HOSTS = job(4, "lowrank.py", "--hosts", 2)         # 2 emulated hosts of 2 ranks: their process sets
 
 
 def by_step(records, key):
@@ -187,6 +189,34 @@ def test_within_a_process_set(results):
     assert check_against_reference(ranks, True) == 4 * 2
 
 
+@pytest.mark.jobs(HOSTS)
+def test_through_the_hosts_as_the_flat_transport(results):
+    """'hierarchical': each phase reduce-scattered inside the host, each shard allreduced across the
+    hosts, allgathered inside the host. The same PowerSGD as flat (float64: the sums' order only),
+    identical bit for bit on every rank, error feedback exact, the NaN step skipped everywhere; only a
+    shard of each phase crosses between the hosts."""
+    res = results(HOSTS)
+    hosts, flat = ranks_of(res, "hosts"), ranks_of(res, "flat")
+    assert len(hosts) == 4
+    assert check_against_reference(hosts, True, skipped={"fc": (NAN_STEP,)}) == 4 * STEPS - 2
+    for by_hosts, by_flat in zip(zip(*hosts), zip(*flat)):
+        for h, f in zip(by_hosts, by_flat):
+            if f["aggregate"] is None:
+                assert h["aggregate"] is None
+                continue
+            assert torch.equal(h["aggregate"], by_hosts[0]["aggregate"])
+            torch.testing.assert_close(h["aggregate"], f["aggregate"], rtol=0, atol=1e-12)
+            if f["residual"] is not None:
+                torch.testing.assert_close(h["residual"], f["residual"], rtol=0, atol=1e-12)
+    launches = res[0]["hosts"]["launches"][0]
+    p_numel = RANK * 6 + RANK * 20 + 20 + 120 + 4
+    assert launches[:3] == [("lowrank.hosts.P.float64.scatter", p_numel + p_numel % 2),
+                            ("lowrank.hosts.P.float64.cross", -(-p_numel // 2)),
+                            ("lowrank.hosts.P.float64.gather", -(-p_numel // 2))]
+    assert [name for name, _ in launches[3:]] == [f"lowrank.hosts.Q.float64.{phase}" for phase in
+                                                 ("scatter", "cross", "gather")]
+
+
 @pytest.mark.jobs(*JOBS.values())
 @pytest.mark.parametrize("np", (2, 3))
 def test_orders_differ_between_ranks_and_nothing_hangs(results, np):
@@ -224,14 +254,34 @@ def test_orthogonalize_as_gram_schmidt():
 
 def test_zero_gradient_keeps_the_warm_start(hvd):
     q = torch.randn(12, 2)
-    assert next_warm_start(q, torch.zeros(12, 2)) is q
+    assert torch.equal(next_warm_start(q, torch.zeros(12, 2)), q)
     new = torch.ones(12, 2)
-    assert next_warm_start(q, new) is new
+    assert torch.equal(next_warm_start(q, new), new)
+    half = torch.cat([torch.ones(12, 1), torch.zeros(12, 1)], 1)        # a zero column: that one kept
+    assert torch.equal(next_warm_start(q, half), torch.cat([torch.ones(12, 1), q[:, 1:]], 1))
     lowrank = LowRank(Collectives("lowrank.zero"), True, rank=2, shapes={"w": (20, 12)})
     lowrank.start("w", torch.randn(240), None, True).finish()
     before = lowrank.state_dict()["q"]["w"]
     out = lowrank.start("w", torch.zeros(240), None, True).finish()
     assert torch.equal(out.aggregate, torch.zeros(240)) and torch.equal(lowrank.state_dict()["q"]["w"], before)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+def test_a_gradient_of_rank_below_r_is_sent_once(hvd, dtype):
+    """Equal rows (a rank-1 gradient, as a batch of one gives): P's second column is rounding only, in
+    the span of the first; it becomes zero instead of a normalised copy of the first, which sent M twice."""
+    gen = torch.Generator().manual_seed(3)
+    rank1 = torch.ones(40, 1, dtype=dtype) @ torch.randn(1, 12, generator=gen, dtype=dtype)
+    rank2 = torch.randn(40, 2, generator=gen, dtype=dtype) @ torch.randn(2, 12, generator=gen, dtype=dtype)
+    p = orthogonalize(rank1 @ torch.randn(12, 3, generator=gen, dtype=dtype))
+    assert torch.equal(p[:, 1:], torch.zeros(40, 2, dtype=dtype))
+    lowrank = LowRank(Collectives(f"lowrank.deficient.{dtype}"), True, rank=3, shapes={"a": (40, 12), "b": (40, 12)})
+    for _ in range(2):
+        started = [lowrank.start(key, m.reshape(-1).clone(), None, True) for key, m in (("a", rank1), ("b", rank2))]
+        for st, m in zip(started, (rank1, rank2)):
+            out = st.finish()
+            torch.testing.assert_close(out.aggregate, m.reshape(-1), rtol=0, atol=1e-4 if dtype == torch.float32 else 1e-12)
+    assert bool((lowrank.q["a"] != 0).any(dim=0).all())        # no zero column carried to the next step
 
 
 def test_one_rank_k_numel_forget_and_shapes(hvd):

@@ -23,7 +23,8 @@ import torch
 from .validate import check_int, check_number
 
 __all__ = ["MIN_COMPRESSION_RATE", "matrix_shape", "compressed_rank", "orthogonalize", "warm_start_seed", "initial_q",
-           "warm_start", "start_power_iteration", "finish_power_iteration", "decompress", "next_warm_start"]
+           "warm_start", "start_power_iteration", "finish_power_iteration", "decompress", "next_warm_start",
+           "kept_energy"]
 
 # torch's min_compression_rate: a tensor is compressed only if it shrinks more than twofold, since
 # the two matrix products and the second round trip cost more than they save below that.
@@ -72,10 +73,17 @@ def compressed_rank(shape, rank, min_compression_rate=MIN_COMPRESSION_RATE):
 
 def orthogonalize(matrix, epsilon=0.0):
     """A copy of ``matrix`` (n x r, r <= n) with orthonormal columns, by Gram-Schmidt in column order
-    (torch's ``_orthogonalize_gram_schmidt``).
+    (torch's ``_orthogonalize_gram_schmidt``), each column projected off the ones before it twice.
 
     Each column is divided by its norm + ``epsilon``. With epsilon 0 a column of norm 0 stays 0, which
     torch's hook means to do (it would divide 0 by 0): a layer whose gradient is zero sends zeros.
+
+    Where a gradient's rank is below r, P = M Q has columns in the span of the ones before them: one
+    projection leaves rounding noise that, normalised, can point along them again (a rank-1 gradient
+    came out doubled: P Q^T sent that part of M twice). So each column is projected off the ones
+    before it twice ("twice is enough", Giraud et al. 2005), and a column left with less than
+    ``sqrt(eps)`` of its own norm (eps of its dtype) becomes 0: it held nothing but rounding, and a zero
+    column sends nothing (``next_warm_start`` keeps that column's last Q).
 
     Example:
         >>> q = orthogonalize(torch.tensor([[3.0, 1.0], [4.0, 1.0]]))
@@ -83,9 +91,16 @@ def orthogonalize(matrix, epsilon=0.0):
         True
     """
     out = matrix.clone()
+    own = torch.linalg.vector_norm(matrix, dim=0) * torch.finfo(matrix.dtype).eps ** 0.5
     for i in range(out.shape[1]):
         col = out[:, i:i + 1]
+        if i:                                       # the second projection off the columns before
+            before = out[:, :i]
+            col.sub_(before @ (before.T @ col))
         norm = torch.linalg.vector_norm(col)
+        if i and norm <= own[i]:                    # in the span of the columns before: rounding only
+            col.zero_()
+            norm = torch.zeros_like(norm)
         if epsilon:
             col.div_(norm + epsilon)
         else:
@@ -170,13 +185,29 @@ def decompress(p, q_sum, ranks, average):
 
 
 def next_warm_start(q_old, q_new):
-    """The Q the next step starts from: ``q_new``, unless one of its columns is all zero (a zero
-    gradient), which would make every later P zero in that column; then ``q_old`` is kept.
+    """The Q the next step starts from: ``q_new``, but where one of its columns is all zero (a zero
+    gradient, or one of rank below r), that column of ``q_old``: a zero column would make that column
+    of every later P zero.
 
     Example:
-        >>> next_warm_start(torch.ones(3, 2), torch.zeros(3, 2)).tolist()
-        [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+        >>> next_warm_start(torch.ones(3, 2), torch.tensor([[2.0, 0], [2, 0], [2, 0]])).tolist()
+        [[2.0, 1.0], [2.0, 1.0], [2.0, 1.0]]
     """
-    if bool((q_new != 0).any(dim=0).all()):
-        return q_new
-    return q_old
+    return torch.where((q_new != 0).any(dim=0, keepdim=True), q_new, q_old)
+
+
+def kept_energy(matrix, q, epsilon=0.0):
+    """The squared norm of the rank-r approximation P Q^T that one step from the warm start ``q`` makes
+    of ``matrix`` alone (one rank's view): what of its energy a low-rank step sends at once, the rest
+    staying in the residual. ``hvd_topk.auto`` divides it by ||matrix||^2 to compare with Top-K's.
+
+    P has orthonormal (or zero) columns, so ||P Q^T|| = ||Q|| with Q = M^T P: no n x m product is made.
+
+    Example:
+        >>> m = torch.outer(torch.arange(1.0, 4.0), torch.ones(5))    # rank 1: all of it is kept
+        >>> round(kept_energy(m, torch.ones(5, 1)), 3), float(m.square().sum())
+        (70.0, 70.0)
+    """
+    _, p = start_power_iteration(matrix, q, epsilon)
+    _, q_new = finish_power_iteration(matrix, p, epsilon)
+    return float(q_new.double().square().sum())

@@ -23,6 +23,13 @@ Q's out the same way.
 Error feedback is the transport's (``Outcome.residual``, base.py invariant 2): over the ranks, the new
 residuals plus the summed aggregate equal the accumulators. A dense key sends all (residual flushed).
 Bytes per compressed key: r(n + m) values and one flag; a dense key: n*m values and one flag.
+
+Across hosts (``hosts``, ``communication='hierarchical'``): the same step, with each phase's sum taken
+in three collectives instead of one (``sum_across_hosts``): a reduce-scatter inside each host (exact,
+over the fast link), an allreduce of each shard across the hosts by the ranks at its position (only
+the host's sum of the P's, then of the Q's, crosses the slow link: r(n + m) values per host, not per
+rank), an allgather inside the host. The math, the residuals (each rank's own) and so the error
+feedback are the flat transport's; only the order in which the ranks' P's and Q's are added differs.
 """
 import math
 from typing import NamedTuple, Optional
@@ -37,7 +44,7 @@ from ..core.lowrank import (compressed_rank, decompress, finish_power_iteration,
 from ..core.sparsify import sq_norm_finite
 from ..core.validate import check_int, check_number
 
-__all__ = ["LowRank", "sum_end_to_end"]
+__all__ = ["LowRank", "sum_end_to_end", "sum_across_hosts"]
 
 
 def _all_finite(*tensors):
@@ -73,11 +80,46 @@ def sum_end_to_end(tensors, name, process_set):
         launches.append((f"{name}.{str(dtype).removeprefix('torch.')}", flat.numel()))
         handles.append((by_dtype[dtype], mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=launches[-1][0],
                                                                   process_set=process_set)))
+    return _split_sums(tensors, [(indices, wait(handle)) for indices, handle in handles]), launches
+
+
+def _split_sums(tensors, buffers):
+    """The per-tensor views of the summed buffers: [(indices of the tensors laid end to end, their sum)]."""
     sums = [None] * len(tensors)
-    for indices, handle in handles:
-        for i, part in zip(indices, torch.split(wait(handle), [tensors[i].numel() for i in indices])):
+    for indices, total in buffers:
+        for i, part in zip(indices, torch.split(total, [tensors[i].numel() for i in indices])):
             sums[i] = part.view(tensors[i].shape)
-    return sums, launches
+    return sums
+
+
+def sum_across_hosts(tensors, name, hosts):
+    """``sum_end_to_end`` over ``hosts`` (``host_sets.HostSets``): per dtype, the buffer (padded to a
+    multiple of the ranks per host) is reduce-scattered inside the host, each rank's shard allreduced
+    over its cross set, and the shards allgathered inside the host: every rank ends with the same sums,
+    bit for bit (each shard's sum is one allreduce's, copied to the whole host)."""
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    phases, launches = [], []
+    for dtype in sorted(by_dtype, key=str):
+        flat = torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]])
+        shard = -(-flat.numel() // hosts.per_host)
+        padded = torch.cat([flat, flat.new_zeros(shard * hosts.per_host - flat.numel())])
+        label = f"{name}.{str(dtype).removeprefix('torch.')}"
+        launches += [(f"{label}.scatter", padded.numel()), (f"{label}.cross", shard), (f"{label}.gather", shard)]
+        phases.append((by_dtype[dtype], flat.numel(), label, mpi_ops.reducescatter_async(
+            padded, name=f"{label}.scatter", op=mpi_ops.Sum, process_set=hosts.host)))
+    crossed = [(indices, numel, label, mpi_ops.allreduce_async_(wait(handle), op=mpi_ops.Sum, name=f"{label}.cross",
+                                                                process_set=hosts.cross))
+               for indices, numel, label, handle in phases]
+    gathered = [(indices, numel, mpi_ops.allgather_async(wait(handle), name=f"{label}.gather", process_set=hosts.host))
+                for indices, numel, label, handle in crossed]
+    return _split_sums(tensors, [(indices, wait(handle)[:numel]) for indices, numel, handle in gathered]), launches
+
+
+def _sum(tensors, name, process_set, hosts):
+    """(the ranks' sums of ``tensors``, launches): over ``process_set``, or through the ``hosts``."""
+    return sum_end_to_end(tensors, name, process_set) if hosts is None else sum_across_hosts(tensors, name, hosts)
 
 
 class LowRank:
@@ -95,6 +137,7 @@ class LowRank:
         epsilon: added to each column's norm in the orthogonalization (torch's
             ``orthogonalization_epsilon``, >= 0).
         min_compression_rate: compress a tensor only if it shrinks more than this (> 0; torch's 2).
+        hosts: ``HostSets`` of equal hosts: every sum goes through them (``sum_across_hosts``); None: flat.
 
     Example::
 
@@ -104,8 +147,8 @@ class LowRank:
     """
 
     def __init__(self, collectives, average, rank=4, shapes=None, name="hvd_topk.lowrank", seed=0, epsilon=0.0,
-                 min_compression_rate=MIN_COMPRESSION_RATE):
-        self.collectives, self.average, self.name = collectives, average, name
+                 min_compression_rate=MIN_COMPRESSION_RATE, hosts=None):
+        self.collectives, self.average, self.name, self.hosts = collectives, average, name, hosts
         self.rank = check_int("rank", rank, low=1)
         self.seed = check_int("seed", seed, low=0)
         self.epsilon = check_number("epsilon", epsilon, low=0)
@@ -160,8 +203,8 @@ class LowRank:
         keys = sorted(self.inflight)
         work, self.inflight = self.inflight, {}
         ps = self.collectives.process_set
-        sums, self.launches = sum_end_to_end([t for key in keys for t in (work[key].payload, work[key].flag)],
-                                             f"{self.name}.P", ps)
+        sums, self.launches = _sum([t for key in keys for t in (work[key].payload, work[key].flag)], f"{self.name}.P",
+                                   ps, self.hosts)
         sums = dict(zip(keys, zip(sums[0::2], sums[1::2])))
         second = {}                     # key -> P orthogonalized, this rank's Q_i
         for key, (total, flag) in sums.items():
@@ -172,7 +215,7 @@ class LowRank:
                 self.outcomes[key] = Outcome(total.reshape(-1).to(work[key].acc.dtype), None)
             else:
                 second[key] = finish_power_iteration(work[key].matrix, total, self.epsilon)
-        q_sums, launches = sum_end_to_end([second[key][1] for key in sorted(second)], f"{self.name}.Q", ps)
+        q_sums, launches = _sum([second[key][1] for key in sorted(second)], f"{self.name}.Q", ps, self.hosts)
         self.launches += launches
         for key, q_sum in zip(sorted(second), q_sums):
             self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum)
@@ -198,5 +241,4 @@ class LowRank:
         """Continue from ``state_dict()``'s Q's: the steps after are bit for bit those of the saved job."""
         if state["rank"] != self.rank:
             raise ValueError(f"rank must be the saved state's {state['rank']} to load it, got {self.rank}")
-        self.inflight, self.outcomes = {}, {}
-        self.q = {key: q.clone() for key, q in state["q"].items()}
+        self.inflight, self.outcomes, self.q = {}, {}, {key: q.clone() for key, q in state["q"].items()}

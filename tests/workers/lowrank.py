@@ -11,6 +11,9 @@ linear weight, a bias, a matrix too thin to shrink twofold):
 - ``mixed``: the conv weight in float32, the rest float64 (one allreduce per dtype and phase), 2 steps.
 - ``set`` (with ``--set``, registered at ``hvd.init``): 2 steps within that process set; the ranks
   outside it run nothing.
+- ``hosts`` and ``flat`` (with ``--hosts L``: the ranks as hosts of L, their host and cross sets
+  registered at ``hvd.init``): ``main``'s steps and NaN with the sums taken through the hosts, and the
+  same data with the flat transport beside it.
 
 Every rank starts the keys in its own order (rotated by its rank, reversed on odd ranks) and finishes
 them in yet another, so a transport that ran collectives in start or finish order would hang. Writes
@@ -26,6 +29,7 @@ import horovod.torch as hvd
 import torch
 
 from hvd_topk.transports.collectives import Collectives
+from hvd_topk.transports.host_sets import HostSets
 from hvd_topk.transports.lowrank import LowRank
 
 p = argparse.ArgumentParser()
@@ -35,19 +39,32 @@ p.add_argument("--rank", type=int, default=2)
 p.add_argument("--nan-step", type=int, default=3)
 p.add_argument("--save-at", type=int, default=1)
 p.add_argument("--set", default="", help="comma-separated ranks of a process set for the 'set' scenario")
+p.add_argument("--hosts", type=int, default=0, help="ranks per emulated host, for the 'hosts' scenario")
 args = p.parse_args()
 
 pair = hvd.ProcessSet([int(r) for r in args.set.split(",")]) if args.set else None
-hvd.init(process_sets=[pair] if pair else None)
+size = int(os.environ.get("HOROVOD_SIZE", "1"))
+host_lists = [list(range(h, h + args.hosts)) for h in range(0, size, args.hosts)] if args.hosts else []
+cross_lists = [[h[j] for h in host_lists] for j in range(args.hosts)]
+host_sets = [hvd.ProcessSet(ranks) for ranks in host_lists + cross_lists]
+hvd.init(process_sets=([pair] if pair else []) + host_sets or None)
 torch.set_num_threads(1)
 SHAPES = {"conv": (6, 3, 3, 3), "fc": (20, 12), "bias": (20,), "thin": (3, 40)}
 KEYS = sorted(SHAPES)
-DATA = {"main": 0, "resume": 0, "sum": 1, "mixed": 2, "set": 3}
+DATA = {"main": 0, "resume": 0, "sum": 1, "mixed": 2, "set": 3, "hosts": 0, "flat": 0}
 
 
-def build(scenario, average, process_set):
+def build(scenario, average, process_set, hosts=None):
     collectives = Collectives(f"lowrank.{scenario}.group", process_set=process_set)
-    return LowRank(collectives, average, rank=args.rank, shapes=SHAPES, name=f"lowrank.{scenario}", seed=7)
+    return LowRank(collectives, average, rank=args.rank, shapes=SHAPES, name=f"lowrank.{scenario}", seed=7,
+                   hosts=hosts)
+
+
+def emulated_hosts():
+    """This rank's ``HostSets`` of the registered host and cross sets."""
+    h = hvd.rank() // args.hosts
+    return HostSets(host=host_sets[h], cross=host_sets[len(host_lists) + hvd.rank() % args.hosts],
+                    position=hvd.rank() % args.hosts, hosts=len(host_lists), per_host=args.hosts)
 
 
 def orders(step):
@@ -69,7 +86,7 @@ def one_step(transport, scenario, step, residual, dtypes):
     for key in starts:
         g = gradient(scenario, key, step, dtypes[key])
         acc = g.reshape(-1) + residual[key]
-        if scenario in ("main", "resume") and step == args.nan_step and hvd.rank() == 1 and key in ("fc", "bias"):
+        if scenario in ("main", "resume", "hosts", "flat") and step == args.nan_step and hvd.rank() == 1 and key in ("fc", "bias"):
             acc[3] = float("nan")
         q_before = transport.state_dict()["q"].get(key)
         started[key] = (transport.start(key, acc, None, bool(torch.isfinite(acc).all())), acc, g, q_before)
@@ -85,9 +102,9 @@ def one_step(transport, scenario, step, residual, dtypes):
     return [records[key] for key in KEYS], list(transport.launches)
 
 
-def run(scenario, average=True, steps=2, save_at=None, process_set=hvd.global_process_set, dtypes=None):
+def run(scenario, average=True, steps=2, save_at=None, process_set=hvd.global_process_set, dtypes=None, hosts=None):
     dtypes = dtypes or {key: torch.float64 for key in KEYS}
-    transport = build(scenario, average, process_set)
+    transport = build(scenario, average, process_set, hosts)
     residual = {key: torch.zeros(SHAPES[key], dtype=dtypes[key]).reshape(-1) for key in KEYS}
     records, launches = [], []
     for step in range(steps):
@@ -99,7 +116,7 @@ def run(scenario, average=True, steps=2, save_at=None, process_set=hvd.global_pr
             torch.save({"transport": transport.state_dict(), "residual": residual}, buf)
             buf.seek(0)
             saved = torch.load(buf, weights_only=False)
-            transport = build(scenario, average, process_set)
+            transport = build(scenario, average, process_set, hosts)
             transport.load_state_dict(saved["transport"])
             residual = saved["residual"]
     return dict(records=records, launches=launches, ranks=process_set.ranks or list(range(hvd.size())))
@@ -110,6 +127,9 @@ result = {"size": hvd.size(), "orders": [orders(step) for step in range(args.ste
           "resume": run("resume", steps=args.steps, save_at=args.save_at),
           "sum": run("sum", average=False),
           "mixed": run("mixed", dtypes={key: torch.float32 if key == "conv" else torch.float64 for key in KEYS})}
+if args.hosts:
+    result["hosts"] = run("hosts", steps=args.steps, hosts=emulated_hosts())
+    result["flat"] = run("flat", steps=args.steps)
 if pair is not None:
     result["set"] = run("set", process_set=pair) if pair.included() else None
     hvd.barrier()          # a rank that left early would shut Horovod down under the set's ranks
