@@ -1,15 +1,15 @@
-"""hvd_topk: Top-K gradient compression with error feedback for Horovod + PyTorch.
+"""hvd_topk: Top-K gradient compression with error feedback for Horovod + PyTorch (and low rank, PowerSGD).
 
 Public names are imported lazily, so that ``hvd_topk.core.sparsify`` works without Horovod.
 """
 import importlib
 
-__all__ = ["TopKEF", "DistributedOptimizer", "TopKSettings", "OptimizerSettings", "save_checkpoint", "load_checkpoint",
-           "host_process_sets"]
+__all__ = ["TopKEF", "PowerSGD", "DistributedOptimizer", "TopKSettings", "PowerSGDSettings", "OptimizerSettings",
+           "save_checkpoint", "load_checkpoint", "host_process_sets"]
 __version__ = "0.1.0"
 
-_PUBLIC = {"TopKEF": ".compression", "DistributedOptimizer": ".optimizer",
-           "TopKSettings": ".settings", "OptimizerSettings": ".settings",
+_PUBLIC = {"TopKEF": ".compression", "PowerSGD": ".powersgd", "DistributedOptimizer": ".optimizer",
+           "TopKSettings": ".settings", "PowerSGDSettings": ".settings", "OptimizerSettings": ".settings",
            "save_checkpoint": ".step.checkpoint", "load_checkpoint": ".step.checkpoint",
            "host_process_sets": ".transports.host_sets"}
 

@@ -15,11 +15,14 @@ from horovod.torch.mpi_ops import Average, Sum
 
 from .core.validate import check_choice, check_int, check_number
 
-__all__ = ["check_topk_settings", "check_optimizer_settings", "check_hierarchical", "check_optimizer", "check_groups",
+__all__ = ["check_topk_settings", "check_lowrank_settings", "check_lowrank_use", "topk_only_settings",
+           "check_optimizer_settings", "check_hierarchical", "check_optimizer", "check_groups",
            "STOCK_COMMUNICATIONS", "COMMUNICATIONS", "COMPRESSES", "LEADERS", "SELECTIONS"]
 
 STOCK_COMMUNICATIONS = ("split_reduce", "hierarchical", "allgather", "artopk", "dense")     # TopKEF's
-COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto")   # the optimizer's
+COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto", "lowrank")  # optimizer's
+LOWRANK_COMMUNICATIONS = ("lowrank", "hierarchical")        # PowerSGDSettings.communication
+PIN_TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather", "lowrank")    # OptimizerSettings.pin's values
 COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
@@ -33,6 +36,51 @@ def check_topk_settings(settings):
             "communication": check_choice("communication", settings.communication, STOCK_COMMUNICATIONS),
             "budget": check_number("budget", settings.budget, low=1, what="(multiple of k kept by split_reduce)"),
             "sync_indices": bool(settings.sync_indices)}
+
+
+def check_lowrank_settings(settings):
+    """``PowerSGDSettings``' fields, checked: {name: value as kept (int, float)}."""
+    return {"rank": check_int("rank", settings.rank, low=1),
+            "min_compression_rate": check_number("min_compression_rate", settings.min_compression_rate, low=0,
+                                                 low_open=True, what="(torch's min_compression_rate)"),
+            "communication": check_choice("communication", settings.communication, LOWRANK_COMMUNICATIONS),
+            "seed": check_int("seed", settings.seed),
+            "epsilon": check_number("epsilon", settings.epsilon, low=0)}
+
+
+def check_lowrank_use(settings, communication, compression_kind):
+    """ValueError naming the optimizer's settings that only Top-K has, where low rank is used (the
+    compression is low rank, or a tensor is pinned to it), and a ``communication`` of the other kind.
+
+    DGC's momentum correction masks the velocity where entries left whole, and the warm-up, the global
+    selection and the adaptive ratio move a density: low rank sends no entry whole and has no density.
+    ``compress='update'``, VAR leaders and ``value_dtype`` are Top-K's wire and step alone."""
+    if compression_kind == "lowrank" and communication not in LOWRANK_COMMUNICATIONS + ("dense", "auto"):
+        raise ValueError(f"communication must be one of {LOWRANK_COMMUNICATIONS + ('dense', 'auto')} with a "
+                         f"low-rank compression, got {communication!r} (a Top-K transport: pin it per tensor "
+                         "with OptimizerSettings(pin=...), or use compression=hvd_topk.TopKEF)")
+    if compression_kind != "lowrank" and communication == "lowrank":
+        raise ValueError("communication='lowrank' needs compression=hvd_topk.PowerSGD(...) (or pin tensors to "
+                         "it with OptimizerSettings(pin=...))")
+    pinned = "lowrank" in (settings.pin or {}).values()
+    named = topk_only_settings(settings)
+    if named and (compression_kind == "lowrank" or pinned):
+        raise ValueError(f"{', '.join(named)} cannot be used with low rank (PowerSGD"
+                         f"{' pinned to a tensor' if compression_kind != 'lowrank' else ''}): they are Top-K's "
+                         "(DGC's momentum correction, warm-up and selection, the adaptive ratio, the update's "
+                         "error feedback, AR-Topk's leader, the values' dtype); leave them at their defaults "
+                         "(dense_steps and clip_grad_norm apply to low rank too)")
+
+
+def topk_only_settings(settings):
+    """The names of the ``OptimizerSettings`` set away from their defaults that only Top-K has (where
+    they are set, ``communication='auto'`` leaves low rank out of its choices)."""
+    topk_only = {"momentum_correction": settings.momentum_correction, "warmup_steps": settings.warmup_steps,
+                 "warmup_epochs": settings.warmup_epochs, "selection": settings.selection != "layerwise",
+                 "adaptive_ratio": settings.adaptive_ratio not in (None, False),
+                 "compress": settings.compress != "gradient", "leader": settings.leader != "star",
+                 "value_dtype": settings.value_dtype is not None}
+    return [name for name, on in topk_only.items() if on]
 
 
 def check_hierarchical(communication, process_set):
@@ -66,6 +114,9 @@ def check_optimizer_settings(s):
     if s.adaptive_weight is not None:
         check_number("adaptive_weight", s.adaptive_weight, low=0)
     check_int("auto_every", s.auto_every, low=2)
+    if s.pin is not None and not (isinstance(s.pin, dict) and all(
+            isinstance(name, str) and transport in PIN_TRANSPORTS for name, transport in s.pin.items())):
+        raise ValueError(f"pin must be None or a dict of parameter name -> one of {PIN_TRANSPORTS}, got {s.pin!r}")
     return bool(s.momentum_correction)
 
 

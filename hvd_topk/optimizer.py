@@ -13,10 +13,10 @@ from horovod.torch import mpi_ops
 from horovod.torch.mpi_ops import Average
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .arguments import check_optimizer
+from .arguments import check_lowrank_use, check_optimizer
 from .auto import DEFAULT_WEIGHT, tuner_for
 from .compression import TopKEF
-from .settings import TopKSettings, with_old_keywords
+from .settings import PowerSGDSettings, TopKSettings, with_old_keywords
 from .step import elastic
 from .step.bucket import GLOBAL_KEY, GlobalBucket
 from .step.coordinator import StepConfig, StepCoordinator, StepUnits
@@ -45,11 +45,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             meaning; op is ``hvd.Average`` or ``hvd.Sum``. Sparse gradients go through Horovod's own
             sparse allreduce, uncompressed, unless ``sparse_as_dense``. With a ``process_set`` only its
             ranks communicate; the others step on their own gradients, as in Horovod.
-        compression: ``TopKEF`` or ``TopKEF(ratio=..., min_numel=..., communication=..., budget=...)``:
-            only its settings (``comp.settings``, a ``hvd_topk.TopKSettings``) are read.
-        communication: ``'split_reduce'``, ``'artopk'``, ``'allgather'``, ``'hierarchical'``, ``'dense'`` or
-            ``'auto'`` (per tensor, the transport ``hvd_topk.auto``'s cost model picks); None: the
-            compression's (``'split_reduce'`` unless the TopKEF says otherwise).
+        compression: ``TopKEF`` or ``TopKEF(ratio=..., min_numel=..., communication=..., budget=...)``,
+            or ``PowerSGD`` / ``PowerSGD(rank=..., communication=...)`` (low rank): only its settings
+            (``comp.settings``, a ``hvd_topk.TopKSettings`` or ``hvd_topk.PowerSGDSettings``) are read.
+        communication: with Top-K ``'split_reduce'``, ``'artopk'``, ``'allgather'``, ``'hierarchical'``;
+            with low rank ``'lowrank'``, ``'hierarchical'``; ``'dense'``; or ``'auto'`` (per tensor, the
+            transport ``hvd_topk.auto``'s cost model picks); None: the compression's.
         grad_scaler: the ``torch.amp.GradScaler`` in use, if any: residuals and momentum then hold
             unscaled gradients, and an overflow on any rank skips the step on every rank.
         settings: a ``hvd_topk.OptimizerSettings`` with the seldom-tuned ones: DGC's warm-up, dense
@@ -77,10 +78,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     if num_groups:
         warnings.warn("num_groups has been replaced by groups in Horovod", DeprecationWarning)
         groups = num_groups if groups is None else groups
-    topk = getattr(compression, "settings", None)      # the class TopKEF's defaults, or an instance's
-    if not isinstance(topk, TopKSettings):
-        raise ValueError(f"compression must be TopKEF or a TopKEF instance, got {compression!r}")
-    communication = topk.communication if communication is None else communication
+    chosen = getattr(compression, "settings", None)    # the class's defaults, or an instance's
+    if not isinstance(chosen, (TopKSettings, PowerSGDSettings)):
+        raise ValueError(f"compression must be TopKEF or PowerSGD, the class or an instance, got {compression!r}")
+    communication = chosen.communication if communication is None else communication
+    check_lowrank_use(settings, communication, chosen.kind)
+    # the other kind at its defaults: pins (and auto) may send a tensor with either
+    lowrank = chosen if chosen.kind == "lowrank" else PowerSGDSettings()
+    topk = TopKSettings() if chosen.kind == "lowrank" else chosen
     check_optimizer(optimizer=optimizer, settings=settings, communication=communication,
                     backward_passes_per_step=backward_passes_per_step, op=op,
                     gradient_predivide_factor=gradient_predivide_factor, groups=groups, process_set=process_set,
@@ -90,9 +95,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
     config = StepConfig(communication=communication, selection=settings.selection, compress=settings.compress,
-                        local_momentum=settings.local_momentum, min_numel=topk.min_numel,
-                        clip_grad_norm=settings.clip_grad_norm, grad_scaler=grad_scaler)
-    state = _build(config, topk, settings, names=sorted(n for n, _ in named_parameters), tuner=tuner,
+                        local_momentum=settings.local_momentum,
+                        min_numel=0 if chosen.kind == "lowrank" else topk.min_numel,   # low rank: its twofold rule
+                        clip_grad_norm=settings.clip_grad_norm, grad_scaler=grad_scaler, pin=settings.pin)
+    state = _build(config, (chosen, topk if chosen is lowrank else lowrank), settings,
+                   shapes={n: tuple(q.shape) for n, q in named_parameters}, tuner=tuner,
                    reduction=Reduction.of(op, gradient_predivide_factor), process_set=process_set)
     elastic.register()                   # hvd.elastic.TorchState(optimizer=...) then uses hvd_topk.step.elastic
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticOptimizer),
@@ -101,18 +108,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                gradient_predivide_factor, groups, bool(sparse_as_dense), process_set, settings.momentum_correction)
 
 
-def _build(config, topk, settings, *, names, tuner, reduction, process_set):
-    """The step coordinator and its units. Collective names are identical on all ranks (the ranks create
-    their optimizers in the same order) and distinct between optimizers: one optimizer's index sets or
-    score may still be in flight in another's step."""
+def _build(config, kinds, settings, *, shapes, tuner, reduction, process_set):
+    """The step coordinator and its units, ``kinds`` the compression's settings and the other kind's.
+    Collective names are identical on all ranks (the ranks create their optimizers in the same order) and
+    distinct between optimizers: one optimizer's index sets or score may still be in flight in another's
+    step."""
     tag = f"hvd_topk.opt{_build.instances}"
     _build.instances += 1
     stats = StepStats()
+    names = sorted(shapes)
     # sync_indices is TopKEF's alone: the optimizer shares its index sets one step stale
-    stack = build_transports(dataclasses.replace(topk, sync_indices=False), tag=tag,
+    chosen, other = (dataclasses.replace(s, sync_indices=False) if s.kind == "topk" else s for s in kinds)
+    stack = build_transports(chosen, tag=tag, alongside=other, shapes=shapes,
                              key_index={name: i for i, name in enumerate(names + [GLOBAL_KEY])},  # same on all ranks
                              process_set=process_set, communication=config.communication, reduction=reduction,
                              leader=settings.leader, value_dtype=settings.value_dtype, stats=stats)
+    topk = chosen if chosen.kind == "topk" else other
     if tuner is not None and stack.hosts is not None:   # auto across equal hosts: one more to choose from
         tuner.hosts = stack.hosts
     units = StepUnits(schedule=DensitySchedule(topk.ratio, settings.dense_steps, settings.warmup_steps,

@@ -3,6 +3,7 @@
 - ``TopKSettings``: what Top-K with error feedback is configured with. ``TopKEF(...)`` only checks and
   keeps one (``comp.settings``; the class ``TopKEF`` holds the defaults), and
   ``hvd_topk.DistributedOptimizer(compression=...)`` reads nothing else of the compressor.
+- ``PowerSGDSettings``: low rank (PowerSGD), kept the same way by ``hvd_topk.PowerSGD(...)``.
 - ``OptimizerSettings``: the optimizer's seldom-tuned settings (DGC's schedule and corrections, what is
   compressed, the wire, the automatic choices), grouped as torch's ``PowerSGDState`` groups its slots,
   so that the factory's own arguments stay Horovod's.
@@ -19,9 +20,9 @@ from typing import ClassVar, Optional
 
 import torch
 
-from .arguments import check_optimizer_settings, check_topk_settings
+from .arguments import check_lowrank_settings, check_optimizer_settings, check_topk_settings
 
-__all__ = ["CompressorSettings", "TopKSettings", "OptimizerSettings", "with_old_keywords"]
+__all__ = ["CompressorSettings", "TopKSettings", "PowerSGDSettings", "OptimizerSettings", "with_old_keywords"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,39 @@ class TopKSettings(CompressorSettings):
 
 
 @dataclass(frozen=True)
+class PowerSGDSettings(CompressorSettings):
+    """Low rank: PowerSGD (Vogels et al., NeurIPS'19) as torch's ``powerSGD_hook`` defines it
+    (``hvd_topk.transports.lowrank``; ``PowerSGD``'s arguments of the same names).
+
+    Args:
+        rank: the rank r of each tensor's approximation, int >= 1 (torch's ``matrix_approximation_rank``).
+        min_compression_rate: a tensor is compressed only if its matrix view (n x m, a conv weight
+            out x in*kh*kw) shrinks more than this: n*m > rate * r(n + m); > 0 (torch's 2). Others,
+            and 1-D tensors, go dense.
+        communication: ``'lowrank'`` (one allreduce of every P, one of every Q, over all ranks) or
+            ``'hierarchical'`` (the same sums taken inside each host first: only each host's sum of
+            the P's and Q's crosses between hosts).
+        seed: the seed of every tensor's first Q, int >= 0 (identical on all ranks).
+        epsilon: added to each column's norm in the orthogonalization, >= 0 (torch's
+            ``orthogonalization_epsilon``).
+
+    Example:
+        >>> PowerSGDSettings(rank=2).kind
+        'lowrank'
+    """
+    kind: ClassVar[str] = "lowrank"
+    rank: int = 4
+    min_compression_rate: float = 2.0
+    communication: str = "lowrank"
+    seed: int = 0
+    epsilon: float = 0.0
+
+    def __post_init__(self):
+        for name, value in check_lowrank_settings(self).items():
+            object.__setattr__(self, name, value)       # checked and normalised (int, float)
+
+
+@dataclass(frozen=True)
 class OptimizerSettings:
     """``hvd_topk.DistributedOptimizer``'s seldom-tuned settings (docs/optimizer.md has each in full).
 
@@ -75,6 +109,9 @@ class OptimizerSettings:
         adaptive_ratio: None/False, True or (low, high): the ratio moves among candidates (``hvd_topk.auto``).
         adaptive_weight: exponent of the gain in the adaptive ratio's objective, >= 0; None: 0.3 (measured).
         auto_every: steps between the automatic checks, int >= 2.
+        pin: {parameter name: transport}: these tensors always go with that transport (``'dense'``,
+            ``'artopk'``, ``'split_reduce'``, ``'allgather'``, ``'lowrank'``), whatever ``communication``
+            says or ``'auto'`` would choose; None: none pinned.
 
     Example:
         >>> OptimizerSettings(warmup_epochs=4).selection
@@ -97,9 +134,13 @@ class OptimizerSettings:
     adaptive_ratio: object = None
     adaptive_weight: Optional[float] = None
     auto_every: int = 50
+    # per tensor: a transport that no communication or automatic choice overrides
+    pin: Optional[dict] = None
 
     def __post_init__(self):
         object.__setattr__(self, "momentum_correction", check_optimizer_settings(self))
+        if self.pin is not None:
+            object.__setattr__(self, "pin", dict(self.pin))     # checked; a copy the caller cannot change
 
 
 def with_old_keywords(settings, keywords):

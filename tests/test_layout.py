@@ -20,14 +20,15 @@ MAX_ROOT_FILES = 6
 LAYERS = [
     ("front doors (the package root)", [
         ("compression.py  TopKEF", "Horovod's Compressor", ["compression.py"]),
+        ("powersgd.py  PowerSGD", "Horovod's Compressor,\nlow rank", ["powersgd.py"]),
         ("optimizer.py  DistributedOptimizer", "the factory; arguments.py:\nthe front doors' checks",
          ["optimizer.py", "arguments.py", "__init__.py"]),
-        ("settings.py", "what both doors read:\nTopKSettings, OptimizerSettings", ["settings.py"]),
+        ("settings.py", "what the doors read:\nTopKSettings, PowerSGDSettings,\nOptimizerSettings", ["settings.py"]),
     ]),
     ("the step", [
         ("step/", "one synchronized step of either door:\ncoordinator, Horovod's overrides, DGC,\n"
-                  "schedule, stats, checkpoints, elastic,\nTopKEF's keys and token", ["step/"]),
-        ("auto/", "communication='auto', adaptive ratio:\ntuner, plans, trial, recheck,\ncostmodel, probe, measure",
+                  "schedule, stats, checkpoints, elastic,\nthe Compressor doors' keys, token, step", ["step/"]),
+        ("auto/", "communication='auto', adaptive ratio:\ntuner, plans, quality, trial, recheck,\ncostmodel, probe, measure",
          ["auto/"]),
     ]),
     ("transports/  (one Transport protocol: base.py)", [
@@ -57,7 +58,7 @@ LAYERS = [
 # What only the factory (transports/build.py) constructs: the transports, their leaders, index sets,
 # collectives and regions. Both front doors call it, so the two doors cannot wire them up differently.
 FACTORY = os.path.join("transports", "build.py")
-BUILT_BY_THE_FACTORY = {"ARTopk", "SparseAllgather", "SplitReduce", "Dense", "Hierarchical", "StarLeaders",
+BUILT_BY_THE_FACTORY = {"ARTopk", "SparseAllgather", "SplitReduce", "Dense", "Hierarchical", "LowRank", "StarLeaders",
                         "VarLeaders", "IndexPipeline", "Collectives", "Regions"}
 
 

@@ -191,8 +191,8 @@ def _crc32_on():
 
 def coordinator_state(c):
     """This rank's hvd_topk state of one optimizer (a ``StepCoordinator``), between steps: residuals,
-    velocities, the shared index sets, VAR's scores, the schedule, the tuner's decisions and split_reduce's
-    index regions."""
+    velocities, the shared index sets, VAR's scores, the schedule, the tuner's decisions, split_reduce's
+    index regions and low rank's warm-start Q's (per transport that keeps state: 'lowrank', 'hierarchical')."""
     leaders = c.leaders.state_dict()
     schedule = c.schedule.state_dict()
     ps = c.collectives.process_set
@@ -203,7 +203,13 @@ def coordinator_state(c):
             "ratio": schedule["ratio"], "ratio_change": schedule["ratio_change"],
             "configured_ratio": schedule["configured_ratio"],
             "tuner": None if c.tuner is None else c.tuner.state_dict(),
-            "regions": c.transports["split_reduce"].regions.state_dict()}
+            "regions": c.transports["split_reduce"].regions.state_dict(),
+            "transports": _transport_states(c)}
+
+
+def _transport_states(c):
+    """name -> state_dict() of the transports that keep state between steps (low rank's Q's)."""
+    return {name: t.state_dict() for name, t in c.transports.items() if hasattr(t, "state_dict")}
 
 
 def check_loadable(c, state):
@@ -217,6 +223,11 @@ def check_loadable(c, state):
         raise ValueError("checkpoint was written for a model with other parameters "
                          f"({len(state['names'])} vs {len(c.names)} named tensors) or another "
                          f"selection ({state['selection']!r} vs {c.selection!r})")
+    for name, saved in state.get("transports", {}).items():
+        mine = _transport_states(c).get(name)
+        if mine is not None and saved["rank"] != mine["rank"]:
+            raise ValueError(f"checkpoint holds the warm-start Q's of PowerSGD(rank={saved['rank']}) ({name!r}), "
+                             f"this optimizer's compression has rank={mine['rank']}: resume with the same rank")
 
 
 def load_coordinator_state(c, state, check=True):
@@ -234,3 +245,6 @@ def load_coordinator_state(c, state, check=True):
         c.tuner.load_state_dict(state["tuner"])
     c.transports["split_reduce"].forget()
     c.transports["split_reduce"].regions.load_state_dict(state.get("regions"))
+    for name, saved in state.get("transports", {}).items():
+        if name in c.transports and hasattr(c.transports[name], "load_state_dict"):
+            c.transports[name].load_state_dict(saved)

@@ -35,6 +35,7 @@ class StepConfig(NamedTuple):
     min_numel: int                        # smaller tensors are never compressed
     clip_grad_norm: Optional[float]       # DGC local clipping, or None
     grad_scaler: object                   # torch.amp.GradScaler in use, or None
+    pin: Optional[dict] = None            # name -> the transport it always takes (OptimizerSettings.pin)
 
 
 class StepUnits(NamedTuple):
@@ -104,6 +105,7 @@ class StepCoordinator:
         n = g.numel()
         k, k_next = self.schedule.k(n, self.step), self.schedule.k(n, self.step + 1)
         mode = self.communication if self.tuner is None else self.tuner.mode(key, self.communication)
+        mode = (self.pin or {}).get(key, mode)
         gains = self.tuner is not None and self.tuner.wants_gains(self.step)
         if mode == "dense":                   # auto's dense plan: everything, the residual is flushed
             k = n
@@ -118,7 +120,8 @@ class StepCoordinator:
         if gains and finite:
             self.tuner.observe_acc(acc)
         # a density-1 step that still feeds the gains goes as AR-Topk of everything (values + flag)
-        own_topk = mode in ("allgather", "split_reduce", "hierarchical")    # every rank selects its own top-k
+        # every rank selects its own top-k (low rank: makes its own P)
+        own_topk = mode in ("allgather", "split_reduce", "hierarchical", "lowrank")
         transport = self.transports[mode if own_topk and k < n else "artopk"]
         started = transport.start(key, acc, k, finite, grad=g, step=self.step, k_next=k_next)
         self.stats.add_sent(started.nbytes, started.sent_sq, acc_sq, select_s=time.perf_counter() - t0)

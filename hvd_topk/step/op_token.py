@@ -1,4 +1,4 @@
-"""What ``TopKEF`` hands Horovod's allreduce when its own transport carries the values.
+"""What ``TopKEF`` (and ``PowerSGD``) hands Horovod's allreduce when its own transport carries the values.
 
 With ``communication='split_reduce'`` or ``'allgather'`` the values travel in collectives that TopKEF
 starts itself, named per key. Horovod still allreduces whatever ``compress`` returns, so TopKEF returns
@@ -38,10 +38,11 @@ class OpToken:
     Args:
         process_set: the ranks Horovod reduces over (the optimizer's process set).
         mismatch_hint: what the key-mismatch error tells the user to do.
+        door: the compressor's class name, as the errors name it.
     """
 
-    def __init__(self, process_set=mpi_ops.global_process_set, mismatch_hint=""):
-        self.process_set, self.mismatch_hint = process_set, mismatch_hint
+    def __init__(self, process_set=mpi_ops.global_process_set, mismatch_hint="", door="TopKEF"):
+        self.process_set, self.mismatch_hint, self.door = process_set, mismatch_hint, door
 
     def make(self, key, like):
         """The token for ``key``, in ``like``'s dtype and device."""
@@ -59,27 +60,27 @@ class OpToken:
         elif abs(ones - 1.0) <= 1e-3 and abs(first * size - 1.0) <= 1e-3:
             scale = float(size)                # Average: undo the division for the key check
         else:
-            raise ValueError(_neither_sum_nor_average(ones, first, size))
+            raise ValueError(_neither_sum_nor_average(ones, first, size, self.door))
         total, total_sq = round(f * scale), round(f2 * scale)     # integers: sums of f and f*f
         if size * total_sq != total * total:
-            hint = self.mismatch_hint or "every rank must give TopKEF the same named_parameters"
-            raise ValueError(f"TopKEF: the ranks compressed the gradient Horovod reduced here under different "
+            hint = self.mismatch_hint or f"every rank must give {self.door} the same named_parameters"
+            raise ValueError(f"{self.door}: the ranks compressed the gradient Horovod reduced here under different "
                              f"keys (this rank's: {key!r}); {hint}")
         return size > 1 and scale != 1.0
 
 
-def _neither_sum_nor_average(ones, first, size):
-    """The error for a token that neither Sum nor Average over TopKEF's ``size`` ranks gives. Whole
-    ``ones`` with a rank-0 flag of 0 or 1/m is a plain Sum or Average over m ranks, just not TopKEF's:
-    the optimizer reduces over a process set TopKEF was not given. Anything else is another ``op``."""
+def _neither_sum_nor_average(ones, first, size, door):
+    """The error for a token that neither Sum nor Average over the ``door``'s ``size`` ranks gives. Whole
+    ``ones`` with a rank-0 flag of 0 or 1/m is a plain Sum or Average over m ranks, just not the door's:
+    the optimizer reduces over a process set the door was not given. Anything else is another ``op``."""
     def whole(x):
         return round(x) >= 1 and abs(x - round(x)) <= 1e-3
     if whole(ones) and (abs(first) <= 1e-3 or whole(1.0 / first)):
-        return (f"TopKEF: Horovod reduced this gradient over a set of ranks other than TopKEF's process_set "
+        return (f"{door}: Horovod reduced this gradient over a set of ranks other than {door}'s process_set "
                 f"({size} ranks; the token summed to {[ones, first]}): the optimizer has a process_set that "
-                "TopKEF was not given. Give TopKEF the same set: hvd.DistributedOptimizer(opt, process_set=ps, "
-                "compression=TopKEF(..., process_set=ps)); the class form compression=TopKEF runs over all "
+                f"{door} was not given. Give {door} the same set: hvd.DistributedOptimizer(opt, process_set=ps, "
+                f"compression={door}(..., process_set=ps)); the class form compression={door} runs over all "
                 "ranks only")
-    return ("TopKEF supports op=hvd.Average or hvd.Sum (with any gradient_predivide_factor); "
+    return (f"{door} supports op=hvd.Average or hvd.Sum (with any gradient_predivide_factor); "
             f"Horovod reduced its token to {[ones, first]} over {size} ranks, which neither "
             "gives (op=hvd.Adasum combines gradients non-linearly; it cannot carry top-k entries)")

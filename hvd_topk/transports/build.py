@@ -8,7 +8,10 @@ transports, their leaders, index sets, collectives or regions (tests/test_layout
 Each compressor kind (``hvd_topk.settings.CompressorSettings.kind``) has its builder here; the Top-K
 kind's stack holds every Top-K transport over one ``Collectives``, one ``IndexPipeline`` and one set of
 AR-Topk leaders, so a step may switch transports per tensor (``communication='auto'``) and checkpoints
-find the shared state in one place.
+find the shared state in one place. The low-rank kind's stack is ``LowRank`` (flat, or through the hosts
+for ``'hierarchical'``). The optimizer passes the other kind's settings as ``alongside``: its stack then
+holds both kinds over the same collectives, so auto and ``OptimizerSettings(pin=...)`` may send any
+tensor with any of them.
 """
 from typing import Dict, NamedTuple, Optional
 
@@ -22,6 +25,7 @@ from .hierarchical import Hierarchical
 from .host_sets import HostSets, resolve
 from .index_sets import IndexPipeline
 from .leaders import StarLeaders, VarLeaders
+from .lowrank import LowRank
 from .regions import Regions
 from .split_reduce import SplitReduce
 
@@ -31,16 +35,17 @@ __all__ = ["TransportStack", "build_transports"]
 class TransportStack(NamedTuple):
     """One front door's transports and what they share (built by keyword)."""
     transports: Dict[str, object]         # 'artopk', 'allgather', 'split_reduce'; 'dense' (density 1) and
-                                          # 'plain' (never compressed) with a reduction; 'hierarchical' when asked
+                                          # 'plain' (never compressed) with a reduction; 'hierarchical' when
+                                          # asked; 'lowrank' of the low-rank kind (or alongside)
     collectives: Collectives              # Horovod's collectives, grouped or not (the optimizer sets groups)
-    index_sets: IndexPipeline             # AR-Topk's shared index sets
-    leaders: StarLeaders                  # AR-Topk's leaders (StarLeaders or VarLeaders)
+    index_sets: Optional[IndexPipeline]   # AR-Topk's shared index sets (None: low rank alone)
+    leaders: Optional[StarLeaders]        # AR-Topk's leaders (StarLeaders or VarLeaders; None: low rank alone)
     hosts: Optional[HostSets] = None      # the hierarchical transport's sets, where it runs across hosts
 
 
 def build_transports(settings, *, tag, key_index, process_set=mpi_ops.global_process_set, communication=None,
                      reduction=None, leader="star", value_dtype=None, stats=None, mismatch_hint="",
-                     on_leaders_differ=None):
+                     on_leaders_differ=None, alongside=None, shapes=None):
     """The transport stack of ``settings``' kind.
 
     Args:
@@ -58,6 +63,8 @@ def build_transports(settings, *, tag, key_index, process_set=mpi_ops.global_pro
         stats: ``StepStats`` that split_reduce reports to, or None.
         mismatch_hint: what the errors say when the ranks keyed a gradient differently.
         on_leaders_differ: called when only AR-Topk's leaders differ between ranks (``IndexPipeline``).
+        alongside: settings of the other kind, whose transports join the stack (the optimizer's), or None.
+        shapes: key -> the tensor's shape (low rank's matrix views); None: flat keys go dense there.
 
     Returns:
         A ``TransportStack``.
@@ -77,12 +84,13 @@ def build_transports(settings, *, tag, key_index, process_set=mpi_ops.global_pro
     return builder(settings, tag=tag, key_index=key_index, process_set=process_set,
                    communication=settings.communication if communication is None else communication,
                    reduction=reduction, leader=leader, value_dtype=value_dtype, stats=stats,
-                   mismatch_hint=mismatch_hint, on_leaders_differ=on_leaders_differ)
+                   mismatch_hint=mismatch_hint, on_leaders_differ=on_leaders_differ, alongside=alongside,
+                   shapes=shapes)
 
 
 def _topk_stack(settings, *, tag, key_index, process_set, communication, reduction, leader, value_dtype, stats,
-                mismatch_hint, on_leaders_differ):
-    """Every Top-K transport over one set of collectives, index sets and leaders."""
+                mismatch_hint, on_leaders_differ, alongside=None, shapes=None):
+    """Every Top-K transport over one set of collectives, index sets and leaders (and low rank alongside)."""
     average = reduction is not None and reduction.op == mpi_ops.Average
     leaders = VarLeaders(key_index, f"{tag}.var", process_set) if leader == "var" else \
         StarLeaders(key_index, process_set)
@@ -106,7 +114,34 @@ def _topk_stack(settings, *, tag, key_index, process_set, communication, reducti
             transports["hierarchical"] = Hierarchical(hosts, inner, average, f"{tag}.hier", collectives.start_pending)
         elif communication == "hierarchical":         # one host, or uneven hosts: the flat transport
             transports["hierarchical"] = split_reduce
+    if alongside is not None:
+        transports["lowrank"] = _lowrank(alongside, f"{tag}.lowrank", collectives, average, shapes)
     return TransportStack(transports, collectives, index_sets, leaders, hosts)
 
 
-_BUILDERS = {"topk": _topk_stack}
+def _lowrank(settings, name, collectives, average, shapes, hosts=None):
+    """A ``LowRank`` of ``PowerSGDSettings``."""
+    return LowRank(collectives, average, settings.rank, shapes, name, settings.seed, settings.epsilon,
+                   settings.min_compression_rate, hosts)
+
+
+def _lowrank_stack(settings, *, tag, key_index, process_set, communication, reduction, alongside=None, shapes=None,
+                   **topk):
+    """Low rank (``PowerSGDSettings``): 'lowrank', and 'hierarchical' across the hosts when asked, over
+    the Top-K stack of ``alongside`` (its hosts resolved only for 'auto') or over collectives of its own."""
+    if alongside is not None:
+        stack = _topk_stack(alongside, tag=tag, key_index=key_index, process_set=process_set, reduction=reduction,
+                            communication="auto" if communication == "auto" else "split_reduce", **topk)
+    else:
+        stack = TransportStack({}, Collectives(f"{tag}.group", process_set=process_set), None, None)
+    average = reduction is not None and reduction.op == mpi_ops.Average
+    lowrank = _lowrank(settings, f"{tag}.lowrank", stack.collectives, average, shapes)
+    transports, hosts = dict(stack.transports, lowrank=lowrank), stack.hosts
+    if communication == "hierarchical":               # collective: finds the hosts' process sets
+        hosts = resolve(f"{tag}.hier.hosts")          # None: one host or uneven hosts (warned): the flat one
+        transports["hierarchical"] = lowrank if hosts is None else \
+            _lowrank(settings, f"{tag}.hier.lowrank", stack.collectives, average, shapes, hosts)
+    return stack._replace(transports=transports, hosts=hosts)
+
+
+_BUILDERS = {"topk": _topk_stack, "lowrank": _lowrank_stack}

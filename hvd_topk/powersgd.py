@@ -1,0 +1,146 @@
+"""PowerSGD: low-rank compression with error feedback as a stock Horovod ``Compressor``.
+
+The low-rank transport (``hvd_topk.transports.lowrank``, the one ``hvd_topk.DistributedOptimizer`` drives)
+sums the P's and Q's of a step's tensors in its own collectives, Horovod's public asynchronous
+allreduces, one per phase for all tensors. Horovod still allreduces whatever ``compress`` returns, so
+each compressed gradient hands Horovod a 4-element token (``hvd_topk.step.op_token``: Horovod's op, and
+a check that every rank keyed the gradient alike), as ``TopKEF``'s split_reduce does:
+
+1. ``compress``: acc = gradient + this rank's residual; P = M Q starts (M: acc as a matrix, a conv
+   weight out x in*kh*kw; Q: the warm start, identical on every rank).
+2. Horovod compresses every gradient of a step before it decompresses any, so at the first
+   ``decompress`` every rank has started the same keys: the token tells whether Horovod averaged, and
+   the transport runs both phases for every key in sorted order (no order of the ranks can hang it).
+3. ``decompress`` returns P Q^T (the mean, or the sum where Horovod sums); this rank's residual becomes
+   M - P Q^T, committed at the step's end if every rank was finite.
+
+Tensors that would not shrink twofold (torch's ``min_compression_rate``), 1-D tensors and non-floating
+ones go to Horovod's allreduce as they are. The machinery every door shares (keys, the pending step,
+the NaN rule, the shutdown on a mismatch, the class form): ``hvd_topk.step.compressor_door``.
+"""
+import copy
+import itertools
+from typing import Hashable, NamedTuple, Optional
+
+from horovod.torch import mpi_ops
+
+from .arguments import check_hierarchical
+from .settings import PowerSGDSettings
+from .step.compressor_door import CompressorDoor
+from .step.op_token import OpToken
+from .core.lowrank import compressed_rank
+from .core.sparsify import sq_norm_finite
+from .transports.build import build_transports
+
+__all__ = ["PowerSGD"]
+
+_MISMATCH_HINT = ("without named_parameters PowerSGD matches gradients by their position in the step, and the "
+                  "ranks' orders differ (a parameter unused on some rank, two optimizers, a changed model); "
+                  "use PowerSGD(rank, named_parameters=model.named_parameters())")
+
+
+class _Ctx(NamedTuple):
+    """What ``decompress`` needs about one compressed gradient (built by keyword)."""
+    dense: bool                                # True: Horovod's allreduce carries the gradient itself
+    key: Optional[Hashable] = None             # parameter name or slot; None: not part of the step
+    shape: tuple = ()
+    started: object = None                     # the low-rank transport in flight
+
+
+class PowerSGD(CompressorDoor):
+    """PowerSGD (Vogels et al., NeurIPS'19; torch's ``powerSGD_hook``) for stock ``hvd.DistributedOptimizer``.
+
+    Per gradient and rank: ``acc = grad + residual``; its matrix view M leaves as P and Q of rank
+    ``rank`` (one power iteration, warm-started from the last step's Q); every rank receives P Q^T and
+    keeps ``residual = M - P Q^T``. ``hvd_topk.DistributedOptimizer(compression=...)`` accepts it too,
+    reading only ``comp.settings`` (a ``hvd_topk.PowerSGDSettings``; the class's are the defaults).
+    Making one runs no collective: Horovod's first ``compress`` builds the transport.
+
+    Args:
+        rank: the rank r of each tensor's approximation, >= 1 (torch's ``matrix_approximation_rank``).
+        named_parameters: ``model.named_parameters()``, as given to the optimizer: residuals and Q's keyed
+            by name, whatever order Horovod compresses in; without it, by position in the step.
+        process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
+        communication: ``'lowrank'`` (one allreduce of every P, one of every Q) or ``'hierarchical'``
+            (the sums taken inside each host first; only each host's sum crosses between hosts).
+        min_compression_rate: compress a tensor only if it shrinks more than this, > 0 (torch's 2).
+        seed: the seed of every tensor's first Q, >= 0.
+        epsilon: added to each column's norm in the orthogonalization, >= 0.
+
+    Example:
+        >>> import horovod.torch as hvd, torch
+        >>> hvd.init()
+        >>> model = torch.nn.Linear(64, 32)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+        ...                                compression=PowerSGD(rank=4,
+        ...                                                     named_parameters=model.named_parameters()))
+        >>> model(torch.randn(8, 64)).sum().backward()
+        >>> opt.step()                     # the weight as 4 x (32 + 64) values; the bias dense
+    """
+
+    _instances = itertools.count()   # creation counter: names the collectives identically on all ranks
+    settings = PowerSGDSettings()    # the class's own: what ``compression=PowerSGD`` means
+
+    def __init__(self, rank=4, named_parameters=None, process_set=mpi_ops.global_process_set,
+                 communication="lowrank", min_compression_rate=2.0, seed=0, epsilon=0.0):
+        settings = PowerSGDSettings(rank, min_compression_rate, communication, seed, epsilon)
+        check_hierarchical(settings.communication, process_set)
+        super().__init__(settings, named_parameters, process_set)
+        self.hint = _MISMATCH_HINT if named_parameters is None else ""
+        self.tag = f"hvd_topk.PowerSGD{next(PowerSGD._instances)}"
+        self.token = OpToken(process_set, mismatch_hint=self.hint, door="PowerSGD")
+        self._transport = None                # built at the first compress
+        self._restored = None                 # Q's loaded before it was built
+
+    @property
+    def transport(self):
+        """The low-rank transport (flat or through the hosts), built at first use: ``'hierarchical'``
+        finds the hosts' process sets then, a collective."""
+        if self._transport is None:
+            stack = build_transports(self.settings, tag=self.tag, key_index=self.keys.key_index,
+                                     process_set=self.process_set, mismatch_hint=self.hint)
+            self._transport = stack.transports[self.settings.communication]
+            if self._restored is not None:
+                self._transport.load_state_dict(self._restored)
+                self._restored = None
+        return self._transport
+
+    def _compress(self, tensor):
+        if not tensor.is_floating_point():
+            return tensor, _Ctx(dense=True)
+        key = self._next_key(tensor)
+        s = self.settings
+        if not compressed_rank(tuple(tensor.shape), s.rank, s.min_compression_rate):
+            return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
+        acc = self.memory.compensate(key, tensor)
+        started = self.transport.start(key, acc, None, sq_norm_finite(acc)[1], grad=tensor)
+        return self.token.make(key, tensor), _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started)
+
+    def _receive(self, reduced, ctx):
+        # raises, on every rank, before any value is used; then the step's phases run (first receive)
+        # with Horovod's op, so the mean is P Q^T itself, as the optimizer's transport makes it
+        self.transport.average = self.token.average(reduced, ctx.key)
+        outcome = ctx.started.finish()
+        return outcome.aggregate, outcome.residual
+
+    def _forget(self):
+        if self._transport is not None:
+            self._transport.forget()
+
+    def state_dict(self):
+        """This rank's residuals and the warm-start Q's (identical on every rank)."""
+        return {"rank": self.settings.rank, "signatures": list(getattr(self.keys, "signatures", [])),
+                "residuals": self.memory.state_dict(),
+                "q": copy.deepcopy(self._restored) if self._transport is None else self._transport.state_dict()}
+
+    def load_state_dict(self, state):
+        """Restore what ``state_dict`` returned on this rank: the steps after are the saved job's, bit for bit."""
+        if state["rank"] != self.settings.rank:
+            raise ValueError(f"rank must be the saved state's {state['rank']} to load it, got {self.settings.rank}")
+        self.keys.restore(state["signatures"])
+        self.memory.load_state_dict(state["residuals"])
+        if self._transport is None:
+            self._restored = copy.deepcopy(state["q"])
+        elif state["q"] is not None:
+            self._transport.load_state_dict(state["q"])

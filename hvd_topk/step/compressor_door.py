@@ -1,0 +1,161 @@
+"""What every compressor for stock ``hvd.DistributedOptimizer`` shares: ``CompressorDoor``, the base of
+``TopKEF`` and ``PowerSGD``.
+
+Horovod's ``Compressor`` contract is two static calls per gradient: ``compress(tensor) -> (tensor, ctx)``
+before its allreduce and ``decompress(reduced, ctx)`` after it, and within a step Horovod compresses
+every gradient before it decompresses any. A door adds to it, the same way for every kind:
+
+- which parameter a gradient is (``gradient_keys``: by name, or by position in the step);
+- its residual (``ResidualMemory``), committed only when the step was finite on every rank
+  (``PendingStep``): a non-finite gradient anywhere hands out every gradient of the step as NaN on
+  every rank, with every residual untouched;
+- a failed check of the gradient sequence ends the job instead of hanging it (``ends_job_on_mismatch``);
+- ``compression=Door`` (the class) means one default instance (``ClassOrInstance``).
+
+A door only says how a gradient leaves (``_compress``) and how its reduction comes back (``_receive``);
+the transports it drives are ``hvd_topk.transports``' (the optimizer's), behind ``op_token`` where they
+run their own collectives.
+"""
+import contextlib
+import threading
+
+import torch
+from horovod.torch import mpi_ops
+from horovod.torch.compression import Compressor
+
+from .gradient_keys import ParameterKeys, SlotSequence
+from ..core.memory import ResidualMemory, StepCommits
+from ..core.sparsify import sq_norm_finite
+
+__all__ = ["ClassOrInstance", "CompressorDoor", "PendingStep", "SHUTDOWN_GRACE_S", "ends_job_on_mismatch"]
+
+SHUTDOWN_GRACE_S = 15.0       # time the other ranks get to reach the same check and raise it themselves
+
+
+class ClassOrInstance:
+    """Binds a method to the class's default instance when called on the class itself.
+
+    Horovod calls ``compression.compress(tensor)``; with ``compression=TopKEF`` that is a call on the
+    class, which then uses one shared default instance (``default()``)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj, cls):
+        return self._fn.__get__(cls.default() if obj is None else obj, cls)
+
+
+@contextlib.contextmanager
+def ends_job_on_mismatch():
+    """A check of this rank's gradient sequence failed (ValueError). Where the other ranks fail the
+    same check, each raises it; a rank that does not may be waiting in a collective this rank will
+    never join. So Horovod is shut down SHUTDOWN_GRACE_S seconds after the error is raised: that
+    rank's collective then fails too, and the job ends instead of hanging. (Alone, no rank waits.)"""
+    try:
+        yield
+    except ValueError:
+        if mpi_ops.size() == 1:
+            raise
+        timer = threading.Timer(SHUTDOWN_GRACE_S, mpi_ops.shutdown)
+        timer.daemon = True
+        timer.start()
+        raise
+
+
+class PendingStep(StepCommits):
+    """One Horovod step's new residuals (``StepCommits``); if some gradient was non-finite on some rank,
+    every gradient of the step is handed out all NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []                     # the step's decompressed gradients, as handed to Horovod
+
+    def hand_out(self, out, finite, like, shape):
+        if not finite and not self.nonfinite:
+            self.nonfinite = True
+            for earlier in self.outputs:      # Horovod set_() them into p.grad: NaN them there
+                earlier.fill_(float("nan"))
+        if self.nonfinite:
+            out = torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+        self.outputs.append(out)
+        return out
+
+
+class CompressorDoor(Compressor):
+    """A stock-Horovod ``Compressor`` over hvd_topk's transports (module docstring). A subclass gives
+    ``settings`` (its class's: the defaults) and three methods: ``_compress(tensor) -> (tensor, ctx)``;
+    ``_receive(reduced, ctx) -> (flat aggregate or None where some rank was non-finite, new residual or
+    None)`` for a gradient that did not go to Horovod's allreduce as it is; ``_forget()``, which drops what
+    the transports shared with the ranks of an abandoned step.
+
+    Args:
+        settings: the door's ``hvd_topk.settings.CompressorSettings`` (checked when made).
+        named_parameters: ``model.named_parameters()``: state keyed by name; None: by position in the step.
+        process_set: the ranks Horovod reduces over (the optimizer's ``process_set``).
+
+    The context a subclass returns from ``_compress`` has ``dense`` (True: the tensor went to Horovod's
+    allreduce as it is), ``key`` (None: not part of the step) and ``shape``.
+    """
+
+    def __init__(self, settings, named_parameters=None, process_set=mpi_ops.global_process_set):
+        self.settings, self.process_set = settings, process_set
+        self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
+        self.memory, self._step = ResidualMemory(), PendingStep()     # key -> residual; this step's candidates
+
+    @classmethod
+    def default(cls):
+        """The instance used when the class itself is passed as ``compression=``."""
+        if "_default_instance" not in cls.__dict__:
+            cls._default_instance = cls()
+        return cls._default_instance
+
+    def _next_key(self, tensor):
+        """The key of ``tensor``'s parameter; after an abandoned step (a failed collective, an elastic
+        reset) the step's candidates and what the transports shared are dropped first: the failure may
+        have stopped each rank at another point of that step."""
+        key = self.keys.next_key(tensor)
+        if getattr(self.keys, "interrupted", False):
+            self._step, self.keys.interrupted = PendingStep(), False
+            self._forget()
+        return key
+
+    @ClassOrInstance
+    def compress(self, tensor):
+        """Horovod contract: ``(tensor_to_allreduce, ctx)`` (the subclass's ``_compress``)."""
+        with ends_job_on_mismatch():
+            out = self._compress(tensor)
+        self._after_compress()
+        return out
+
+    @ClassOrInstance
+    def decompress(self, tensor, ctx):
+        """Horovod contract: the dense aggregated gradient. The step's residuals are committed when
+        its last gradient is decompressed, and only if every gradient was finite on every rank."""
+        if ctx is None or (ctx.dense and ctx.key is None):
+            return tensor        # Horovod's sparse allreduce (ctx None), or non-floating: not of the step
+        # The checks raise only on the ranks that see the mismatch (the token's: only the optimizer's
+        # process set); the shutdown ends any rank left waiting for them.
+        with ends_job_on_mismatch():
+            self.keys.finish_one()
+            received = None if ctx.dense else self._receive(tensor, ctx)
+        if ctx.dense:
+            out = tensor
+            finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
+        else:
+            out, residual = received
+            finite = out is not None
+            if finite:
+                out = out.reshape(ctx.shape)
+            self._step.add(lambda key=ctx.key, residual=residual: self.memory.update(key, residual))
+        out = self._step.hand_out(out, finite, tensor, ctx.shape)
+        if self.keys.pending == 0:             # Horovod compresses all before it decompresses any
+            self._end_step()
+        return out
+
+    def _after_compress(self):
+        """After each ``compress`` (TopKEF: the step's last one shares AR-Topk's index sets)."""
+
+    def _end_step(self):
+        """The step's last gradient was decompressed: its residuals are committed if it was finite."""
+        self._step.end()

@@ -1,0 +1,196 @@
+"""Low rank (PowerSGD) through both front doors: ``hvd_topk.PowerSGD`` in stock ``hvd.DistributedOptimizer``
+and as ``hvd_topk.DistributedOptimizer``'s compression (tests/workers/powersgd.py, a small CNN in float64).
+
+On real ranks (2 and 3): the doors train side by side on the same data and end with the same parameters,
+identical on every rank; a NaN on one rank skips the step on every rank with every residual kept;
+saved after step 2 and resumed, both end bit for bit as a straight run; within a process set; at a rank
+where every tensor goes dense (the twofold rule), dense Horovod's parameters; the stock door not given
+the optimizer's process set (the class form cannot be) fails on every rank of the set, naming it, and
+the job ends. In one process: the settings' checks, the Top-K-only settings refused with low rank,
+the hierarchical fallback on one host, the class form's defaults.
+"""
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hvd_topk
+from testbed.launch import JobFailed
+from testbed.pytest_jobs import OutOf, job
+
+from conftest import assert_identical_across_ranks
+
+BOTH = ("opt", "stock")
+NAN = job(2, "powersgd.py", "--doors", "opt,stock,dense", "--nan-rank", 1, "--nan-step", 3)
+SUM3 = job(3, "powersgd.py", "--op", "sum", "--nan-rank", 2, "--nan-step", 2)
+ALL_DENSE = job(2, "powersgd.py", "--doors", "opt,stock,dense", "--rank", 64, "--steps", 4)
+STRAIGHT = job(2, "powersgd.py")
+SAVED = job(2, "powersgd.py", "--save-at", 2)
+RESUMED = job(2, "powersgd.py", "--resume", OutOf(SAVED, "opt.pt"))
+# jobs that register the process set {0, 2} at hvd.init share a launch of their own
+IN_SET = job(3, "powersgd.py", "--set", "0,2", "--steps", 4, alone="set {0, 2} of 3")
+NOT_GIVEN = job(3, "powersgd.py", "--set", "0,2", "--doors", "stock", "--stock-form", "class", "--steps", 3,
+                alone=True, timeout=150, fails=True)       # the class form: state in the class, a launch alone
+
+
+def door(results_, name):
+    return [dict(r[name], error=r["error"]) for r in results_]
+
+
+@pytest.mark.jobs(NAN, SUM3)
+@pytest.mark.parametrize("np", (2, 3))
+def test_both_doors_identical_everywhere_and_alike(results, np):
+    """Every rank ends with the same parameters, and the stock door with the optimizer door's: the same
+    transport, the same Q's and sums (2 ranks: bit for bit; 3 ranks: Horovod's sum of the uncompressed
+    biases may add in another order)."""
+    res = results(NAN if np == 2 else SUM3)
+    assert all(r["error"] is None for r in res)
+    for name in BOTH:
+        assert_identical_across_ranks(door(res, name))
+    opt, stock = res[0]["opt"]["params"], res[0]["stock"]["params"]
+    for name, value in opt.items():
+        if np == 2:
+            assert torch.equal(stock[name], value), name
+        else:
+            torch.testing.assert_close(stock[name], value, rtol=0, atol=1e-12)
+    assert res[0]["opt"]["transports"] == ["allgather", "artopk", "dense", "lowrank", "plain", "split_reduce"]
+    assert sorted(res[0]["opt"]["q"]["lowrank"]["q"]) == ["0.weight", "3.weight", "5.weight"]
+    # the conv weight is 8 x 27; every weight holds a residual of its own on every rank
+    assert res[0]["opt"]["q"]["lowrank"]["q"]["0.weight"].shape == (27, 2)
+    assert all(res[r]["stock"]["residuals"]["0.weight"] is not None for r in range(np))
+    assert not torch.equal(res[0]["stock"]["residuals"]["3.weight"], res[1]["stock"]["residuals"]["3.weight"])
+
+
+@pytest.mark.jobs(NAN, SUM3)
+@pytest.mark.parametrize("np", (2, 3))
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(results, np):
+    res = results(NAN if np == 2 else SUM3)
+    for r in res:
+        for name in BOTH + (("dense",) if np == 2 else ()):
+            skipped = r[name]["skipped"]
+            assert skipped["params_unchanged"] and skipped["residuals_unchanged"] and skipped["grads_nan"], name
+            assert skipped["had_residuals"] == (name != "dense")
+
+
+@pytest.mark.jobs(ALL_DENSE)
+def test_a_rank_where_every_tensor_goes_dense_is_dense_horovod(results):
+    """rank 64: no tensor shrinks twofold, so both doors send everything: dense Horovod's parameters."""
+    res = results(ALL_DENSE)
+    assert_identical_across_ranks(door(res, "opt"))
+    dense = res[0]["dense"]["params"]
+    for name in BOTH:
+        for key, value in dense.items():
+            torch.testing.assert_close(res[0][name]["params"][key], value, rtol=0, atol=1e-12)
+        assert all(v is None for v in res[0][name]["residuals"].values()), name
+
+
+@pytest.mark.jobs(STRAIGHT, SAVED, RESUMED)
+def test_resumed_from_per_rank_checkpoints_bit_for_bit(results):
+    """Residuals (per rank) and Q's (both doors) saved after step 2 and loaded: the run ends as the
+    straight one, bit for bit, on every rank."""
+    straight, resumed = results(STRAIGHT), results(RESUMED)
+    for r in range(2):
+        for name in BOTH:
+            for key, value in straight[r][name]["params"].items():
+                assert torch.equal(resumed[r][name]["params"][key], value), (r, name, key)
+
+
+@pytest.mark.jobs(IN_SET)
+def test_within_a_process_set(results):
+    """The optimizers reduce within {0, 2} of 3 ranks: ranks 0 and 2 identical, rank 1 on its own."""
+    res = results(IN_SET)
+    assert res[0]["ranks"] == [0, 2] and all(r["error"] is None for r in res)
+    for name in BOTH:
+        ranks = door(res, name)
+        assert_identical_across_ranks([ranks[0], ranks[2]])
+        assert not torch.equal(ranks[1]["params"]["3.weight"], ranks[0]["params"]["3.weight"])
+    for key, value in res[0]["opt"]["params"].items():
+        assert torch.equal(res[0]["stock"]["params"][key], value), key
+
+
+@pytest.mark.jobs(NOT_GIVEN)
+def test_the_class_form_in_a_process_set_fails_every_rank_naming_it(results):
+    """compression=PowerSGD (the class) runs over all ranks; the optimizer reduces within {0, 2}: ranks
+    0 and 2 raise at the first step, naming process_set, and the job ends instead of hanging."""
+    with pytest.raises(JobFailed) as failed:
+        results(NOT_GIVEN)
+    for rank in (0, 2):
+        assert re.search(rf"rank {rank} failed at [0-9.]+: ValueError: PowerSGD: Horovod reduced this gradient over "
+                         "a set of ranks other than PowerSGD's process_set", failed.value.output), rank
+    assert results.run(NOT_GIVEN).seconds < 90
+
+
+# -- one process ------------------------------------------------------------------------------------
+
+def test_settings_and_their_checks():
+    s = hvd_topk.PowerSGDSettings()
+    assert (s.kind, s.rank, s.min_compression_rate, s.communication) == ("lowrank", 4, 2.0, "lowrank")
+    assert hvd_topk.PowerSGD.settings == s and hvd_topk.PowerSGD(rank=2).settings.rank == 2
+    for kwargs, message in (({"rank": 0}, "rank must be an integer >= 1"),
+                            ({"communication": "split_reduce"}, r"communication must be one of \('lowrank', "),
+                            ({"min_compression_rate": 0}, "min_compression_rate must be a finite number > 0"),
+                            ({"epsilon": -1}, "epsilon must be"), ({"seed": -1}, "seed must be")):
+        with pytest.raises(ValueError, match=message):
+            hvd_topk.PowerSGDSettings(**kwargs)
+    with pytest.raises(ValueError, match="pin must be None or a dict of parameter name -> one of"):
+        hvd_topk.OptimizerSettings(pin={"w": "fastest"})
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(momentum_correction=True), "momentum_correction"), (dict(warmup_steps=5), "warmup_steps"),
+    (dict(warmup_epochs=2), "warmup_epochs"), (dict(selection="global"), "selection"),
+    (dict(adaptive_ratio=True), "adaptive_ratio"), (dict(compress="update"), "compress"),
+    (dict(leader="var"), "leader"), (dict(value_dtype=torch.float16), "value_dtype")])
+def test_topk_only_settings_are_refused_with_low_rank(hvd, settings, named):
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=rf"^{named} cannot be used with low rank \(PowerSGD\)"):
+        hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=hvd_topk.PowerSGD,
+                                      settings=hvd_topk.OptimizerSettings(**settings))
+    pinned = hvd_topk.OptimizerSettings(pin={"0.weight": "lowrank"}, **settings)
+    with pytest.raises(ValueError, match=rf"^{named} cannot be used with low rank \(PowerSGD pinned to a tensor\)"):
+        hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), settings=pinned)
+
+
+def test_communication_of_the_other_kind_is_refused(hvd):
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="with a low-rank compression, got 'split_reduce'"):
+        hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                      compression=hvd_topk.PowerSGD(), communication="split_reduce")
+    with pytest.raises(ValueError, match=r"communication='lowrank' needs compression=hvd_topk.PowerSGD"):
+        hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), communication="lowrank")
+    with pytest.raises(ValueError, match="compression must be TopKEF or PowerSGD"):
+        hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=object())
+    with pytest.raises(ValueError, match="communication='hierarchical' needs the global process set"):
+        hvd_topk.PowerSGD(communication="hierarchical", process_set=hvd.ProcessSet([0]))
+
+
+def test_pinned_tensors_take_their_transport_and_one_host_falls_back(hvd):
+    """A pin overrides the communication per tensor (here low rank beside split_reduce); 'hierarchical'
+    on one host runs the flat low rank, saying so once."""
+    model = _model()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopKEF(ratio=0.1, min_numel=32),
+                                        settings=hvd_topk.OptimizerSettings(pin={"0.weight": "lowrank"}))
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    opt.step()
+    assert list(opt._hvd_topk.transports["lowrank"].q) == ["0.weight"]
+    assert opt._hvd_topk.residuals.residuals["2.weight"] is not None      # split_reduce's
+    from hvd_topk.transports import host_sets
+    host_sets._RESOLVED.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(),
+                                            compression=hvd_topk.PowerSGD(communication="hierarchical"))
+    assert opt._hvd_topk.transports["hierarchical"] is opt._hvd_topk.transports["lowrank"]
+    assert [str(w.message) for w in seen if "runs the flat transport: one host" in str(w.message)]
