@@ -13,7 +13,7 @@ from horovod.torch import mpi_ops
 from horovod.torch.mpi_ops import Average
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .arguments import check_lowrank_use, check_optimizer
+from .arguments import check_lowrank_use, check_optimizer, topk_only_settings
 from .auto import DEFAULT_WEIGHT, tuner_for
 from .compression import TopKEF
 from .settings import PowerSGDSettings, TopKSettings, with_old_keywords
@@ -49,8 +49,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
             or ``PowerSGD`` / ``PowerSGD(rank=..., communication=...)`` (low rank): only its settings
             (``comp.settings``, a ``hvd_topk.TopKSettings`` or ``hvd_topk.PowerSGDSettings``) are read.
         communication: with Top-K ``'split_reduce'``, ``'artopk'``, ``'allgather'``, ``'hierarchical'``;
-            with low rank ``'lowrank'``, ``'hierarchical'``; ``'dense'``; or ``'auto'`` (per tensor, the
-            transport ``hvd_topk.auto``'s cost model picks); None: the compression's.
+            with low rank ``'lowrank'``, ``'hierarchical'``; ``'dense'``; or ``'auto'`` (per tensor,
+            among dense, Top-K's and low rank, from measured time and quality: ``hvd_topk.auto``); None:
+            the compression's.
         grad_scaler: the ``torch.amp.GradScaler`` in use, if any: residuals and momentum then hold
             unscaled gradients, and an overflow on any rank skips the step on every rank.
         settings: a ``hvd_topk.OptimizerSettings`` with the seldom-tuned ones: DGC's warm-up, dense
@@ -83,7 +84,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         raise ValueError(f"compression must be TopKEF or PowerSGD, the class or an instance, got {compression!r}")
     communication = chosen.communication if communication is None else communication
     check_lowrank_use(settings, communication, chosen.kind)
-    # the other kind at its defaults: pins (and auto) may send a tensor with either
+    # the other kind at its defaults: auto and pins may send a tensor with either
     lowrank = chosen if chosen.kind == "lowrank" else PowerSGDSettings()
     topk = TopKSettings() if chosen.kind == "lowrank" else chosen
     check_optimizer(optimizer=optimizer, settings=settings, communication=communication,
@@ -126,6 +127,12 @@ def _build(config, kinds, settings, *, shapes, tuner, reduction, process_set):
     topk = chosen if chosen.kind == "topk" else other
     if tuner is not None and stack.hosts is not None:   # auto across equal hosts: one more to choose from
         tuner.hosts = stack.hosts
+    if tuner is not None:
+        tuner.first_step = max(settings.dense_steps - 1, 0)       # its first probe's step
+        # low rank is one more candidate, unless Top-K-only settings are on or Top-K sends everything
+        # (ratio 1.0 means dense Horovod, which low rank is not)
+        if config.communication == "auto" and not topk_only_settings(settings) and topk.ratio < 1.0:
+            tuner.lowrank = stack.transports["lowrank"]
     units = StepUnits(schedule=DensitySchedule(topk.ratio, settings.dense_steps, settings.warmup_steps,
                                                settings.warmup_epochs),
                       tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(), leaders=stack.leaders,

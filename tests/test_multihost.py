@@ -466,7 +466,7 @@ def test_auto_across_hosts_probes_both_links_and_tries_hierarchical(hierarchical
     assert all(a["costs"] == autos[0]["costs"] and a["history"] == autos[0]["history"] for a in autos)
     step, _, counts, reason = autos[0]["probed"][0]
     assert step == 0 and reason.startswith("start") and set(counts) == \
-        {"dense", "artopk", "split_reduce", "allgather", "hierarchical"}, autos[0]["probed"]
+        {"dense", "artopk", "split_reduce", "allgather", "hierarchical", "lowrank"}, autos[0]["probed"]
     assert set(autos[0]["model_plan"].values()) <= set(counts)
     final = autos[0]["history"][-1][3]
     assert "all split_reduce" in final and "all hierarchical" in final and "; kept all " in final, final

@@ -1,18 +1,20 @@
 """What the tuner measures of this machine, and its one contact with the other ranks.
 
-``time_compression`` times this rank's top-k selection and one pass over an accumulator (σ and π of
-``hvd_topk.auto.plans``); ``HorovodWorld`` has the ranks agree on numbers. A test may hand the tuner
-another world with the same three methods.
+``time_compression`` times this rank's top-k selection, one pass over an accumulator and a thin matrix
+product (σ, π and μ of ``hvd_topk.auto.plans``); ``sample_quality`` measures what Top-K and low rank
+would send of one accumulator (``hvd_topk.auto.quality``); ``HorovodWorld`` has the ranks agree on
+numbers. A test may hand the tuner another world with the same three methods.
 """
 import statistics
 
 import torch
 from horovod.torch import mpi_ops
 
-from ..core.sparsify import k_for, topk_indices
+from ..core.lowrank import compressed_rank, kept_energy, matrix_shape, warm_start
+from ..core.sparsify import k_for, topk_energies, topk_indices
 from ..transports.collectives import agree
 
-__all__ = ["HorovodWorld", "time_compression"]
+__all__ = ["HorovodWorld", "time_compression", "sample_quality", "lowrank_sizes"]
 
 # The compression timing: a tensor as large as the largest compressed one (this size when none is),
 # capped so that it stays a fraction of a second on a slow host; the median of a few repeats, so that
@@ -21,6 +23,7 @@ _TIMING_NUMEL_NO_TENSOR = 1 << 16
 _TIMING_MAX_NUMEL = 1 << 22              # 4M elements: per-element costs are flat well before that
 _TIMING_REPEATS = 3
 _TIMING_SEED = 0                         # the same tensor on every rank and every probe
+_TIMING_RANK = 4                         # the matrix product's thin side (torch's hook's usual rank)
 
 
 class HorovodWorld:
@@ -42,17 +45,49 @@ class HorovodWorld:
 
 
 def time_compression(numels, ratio, clock):
-    """This rank's [s per element of a top-k selection, s per element of one pass], from a tensor as
-    large as the largest of ``numels`` (dict name -> elements), capped at ``_TIMING_MAX_NUMEL``."""
+    """This rank's [s per element of a top-k selection, s per element of one pass, s per multiply-add of
+    a thin matrix product (M Q and M^T P at rank 4)], from a tensor as large as the largest of
+    ``numels`` (dict name -> elements), capped at ``_TIMING_MAX_NUMEL``."""
     n = min(max(numels.values(), default=_TIMING_NUMEL_NO_TENSOR), _TIMING_MAX_NUMEL)
     x = torch.randn(n, generator=torch.Generator().manual_seed(_TIMING_SEED))
     k = k_for(n, ratio)
-    sel, sweep = [], []
+    rows = max(1, int(n ** 0.5))
+    matrix, q = x[:rows * (n // rows)].view(rows, -1), torch.ones(n // rows, _TIMING_RANK)
+    sel, sweep, products = [], [], []
     for _ in range(_TIMING_REPEATS):
         t0 = clock()
         topk_indices(x, k)
         t1 = clock()
         x.add_(x, alpha=0.0)
-        sweep.append(clock() - t1)
+        t2 = clock()
+        matrix.T @ (matrix @ q)
+        products.append(clock() - t2)
+        sweep.append(t2 - t1)
         sel.append(t1 - t0)
-    return [statistics.median(sel) / n, statistics.median(sweep) / n]
+    return [statistics.median(sel) / n, statistics.median(sweep) / n,
+            statistics.median(products) / (2 * matrix.numel() * _TIMING_RANK)]
+
+
+def lowrank_sizes(lowrank, names):
+    """name -> (n, m, r) of the tensors of ``names`` that ``lowrank`` (a ``LowRank``) has a shape for:
+    its matrix view and rank, r = 0 where it would send the tensor dense."""
+    out = {}
+    for name in names:
+        shape = lowrank.shapes.get(name)
+        if shape is not None and matrix_shape(shape) is not None:
+            out[name] = matrix_shape(shape) + (compressed_rank(shape, lowrank.rank, lowrank.min_compression_rate),)
+    return out
+
+
+def sample_quality(acc, key, k, lowrank):
+    """(||acc||^2, what Top-K at k sends of it, what low rank sends of it) for this rank's flat
+    accumulator of ``key`` (``hvd_topk.auto.quality``); low rank's from its warm start for the key (or
+    the seeded first one), all of it where the key goes dense there."""
+    energy = float(torch.dot(acc.double(), acc.double()))
+    topk = topk_energies(acc, [min(k, acc.numel())])[0]
+    sizes = lowrank_sizes(lowrank, [key]).get(key)
+    if not sizes or not sizes[2]:
+        return energy, topk, energy
+    n, m, r = sizes
+    q = warm_start(lowrank.q.get(key), key, m, r, lowrank.seed, acc)
+    return energy, topk, kept_energy(acc.view(n, m), q, lowrank.epsilon)

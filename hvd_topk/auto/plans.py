@@ -22,8 +22,17 @@ cross link's α_x, β_x (r = index bytes / value bytes)::
                   + 2α_h·log L + (L−1)·Mc/L·(1+2r)·β_h            the host's allgather of the kept rows
                   + σ·n/L + 2π·n                                  one shard's selection, pad and rewrite
 
-The cheapest wins; ties go to dense, then artopk, then split_reduce, then allgather, then hierarchical
-(the order of ``transports_of``). Horovod's Gloo and MPI collectives do not expose ring vs.
+Where low rank is a candidate (``hvd_topk.auto.quality``; ``lowrank`` gives each tensor's n x m matrix
+view and rank r, 0 where it would go dense), with μ the seconds per multiply-add of this machine's
+matrix products::
+
+    lowrank       dense_ring(4rn) + dense_ring(4rm)               P's and Q's allreduce (torch's two)
+                  + 3μ·r·n·m + 2π·n·m                             M Q, M^T P, P Q^T; the residual
+
+Each tensor takes the transport of least J = seconds / G^w, G the fraction of its accumulator's energy
+the transport sends at once (``hvd_topk.auto.quality``: 1 for dense, measured for Top-K and low rank),
+w the gain's weight; without quality figures (w = 0, or none given) J is the seconds. Ties go to dense,
+then artopk, then split_reduce, then allgather, then hierarchical, then lowrank (``transports_of``). Horovod's Gloo and MPI collectives do not expose ring vs.
 tree, so only the ring formulas are used. The model ignores the overlap with the backward pass and the
 ranks' competition for CPU, so ``trial_plans`` lists the plans worth checking by measurement
 (``hvd_topk.auto.trial``).
@@ -32,11 +41,12 @@ import math
 from typing import NamedTuple, Optional
 
 from . import costmodel
+from .quality import kept_fraction, plan_gain
 from ..core.wire import INDEX_BYTES
 
-__all__ = ["TRANSPORTS", "HIERARCHICAL", "TRIAL_SPAN", "HostLink", "Costs", "transports_of", "tensor_seconds",
+__all__ = ["TRANSPORTS", "HIERARCHICAL", "LOWRANK", "TRIAL_SPAN", "HostLink", "Costs", "transports_of", "tensor_seconds",
            "hierarchical_seconds", "plan_transports", "plan_seconds", "trial_plans", "uniform_plan", "plan_name",
-           "plan_counts", "fitted_link", "link_figures", "costs_to_data", "costs_from_data"]
+           "plan_counts", "fitted_link", "link_figures", "costs_to_data", "costs_from_data", "lowrank_seconds"]
 
 # The transports a plan chooses from, also the tie-break order: dense first (exact, no compression
 # error), then AR-Topk (one selection per tensor), then split_reduce (bytes per rank flat in N), then
@@ -45,6 +55,9 @@ TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather")
 # The transport of jobs across equal hosts (``Costs.hosts``); last in the tie-break order: it needs
 # both links to be measured right, and a flat transport is one collective fewer per phase.
 HIERARCHICAL = "hierarchical"
+# Low rank (PowerSGD), where the optimizer has it to offer; last in the tie-break order: its error is not
+# of Top-K's kind (a subspace, not the largest entries), so it wins only on time or measured quality.
+LOWRANK = "lowrank"
 # Every uniform plan modelled within this factor of the model's plan is measured: the model's misses
 # seen on busy hosts (CPU competition, fusion) stayed within it.
 TRIAL_SPAN = 4.0
@@ -67,11 +80,13 @@ class Costs(NamedTuple):
     select_s: float         # s per element of one exact top-k selection
     pass_s: float           # s per element of one pass over the accumulator
     hosts: Optional[HostLink] = None       # a job across equal hosts: hierarchical is modelled too
+    matmul_s: float = 0.0   # s per multiply-add of a thin matrix product (low rank's M Q and M^T P)
 
 
-def transports_of(costs):
-    """The transports a plan chooses from under ``costs``: hierarchical too where both links are known."""
-    return TRANSPORTS + ((HIERARCHICAL,) if costs.hosts is not None else ())
+def transports_of(costs, lowrank=None):
+    """The transports a plan chooses from under ``costs``: hierarchical too where both links are known,
+    low rank too where ``lowrank`` (name -> (n, m, r)) is given."""
+    return TRANSPORTS + ((HIERARCHICAL,) if costs.hosts is not None else ()) + ((LOWRANK,) if lowrank else ())
 
 
 def link_figures(costs):
@@ -82,20 +97,21 @@ def link_figures(costs):
 
 def costs_to_data(costs):
     """``Costs`` (or None) as plain tuples, for a checkpoint."""
-    return None if costs is None else tuple(costs[:4]) + (None if costs.hosts is None else tuple(costs.hosts),)
+    return None if costs is None else \
+        tuple(costs[:4]) + (None if costs.hosts is None else tuple(costs.hosts), costs.matmul_s)
 
 
 def costs_from_data(data):
-    """The ``Costs`` of ``costs_to_data``'s tuples (an older checkpoint's four numbers too)."""
+    """The ``Costs`` of ``costs_to_data``'s tuples (an older checkpoint's four or five numbers too)."""
     if data is None:
         return None
     hosts = data[4] if len(data) > 4 else None
-    return Costs(*data[:4], hosts=None if hosts is None else HostLink(*hosts))
+    return Costs(*data[:4], hosts=None if hosts is None else HostLink(*hosts), matmul_s=data[5] if len(data) > 5 else 0.0)
 
 
-def tensor_seconds(numel, density, n_workers, costs, value_bytes=4):
+def tensor_seconds(numel, density, n_workers, costs, value_bytes=4, lowrank=None):
     """Modelled seconds of each transport for one tensor (module docstring). dict transport -> s, in
-    ``TRANSPORTS`` order."""
+    ``transports_of`` order; ``lowrank``: the tensor's (n, m, r), or None where low rank is no candidate."""
     t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta,
                           index_bytes=INDEX_BYTES, value_bytes=value_bytes)
     select, sweep = costs.select_s * numel, costs.pass_s * numel
@@ -105,7 +121,23 @@ def tensor_seconds(numel, density, n_workers, costs, value_bytes=4):
                "allgather": t["allgather"] + select + sweep}
     if costs.hosts is not None:
         seconds[HIERARCHICAL] = hierarchical_seconds(numel, density, costs, value_bytes)
+    if lowrank is not None:
+        seconds[LOWRANK] = lowrank_seconds(*lowrank, n_workers, costs, value_bytes) if lowrank[2] else seconds["dense"]
     return seconds
+
+
+def lowrank_seconds(n, m, r, n_workers, costs, value_bytes=4):
+    """Modelled seconds of low rank for one n x m tensor at rank r (module docstring).
+
+    Example:
+        >>> c = Costs(alpha=1e-5, beta=1e-9, select_s=0, pass_s=0, matmul_s=1e-10)
+        >>> round(lowrank_seconds(1000, 1000, 4, 2, c), 9)       # 2 x (2α + 16 kB·β) + 3μ·4e6
+        0.001272
+    """
+    def ring(nbytes):
+        return costmodel.predict(n_workers, nbytes, 1.0, costs.alpha, costs.beta)["dense_ring"]
+    return ring(r * n * value_bytes) + ring(r * m * value_bytes) + 3 * costs.matmul_s * r * n * m + \
+        2 * costs.pass_s * n * m
 
 
 def hierarchical_seconds(numel, density, costs, value_bytes=4):
@@ -120,15 +152,20 @@ def hierarchical_seconds(numel, density, costs, value_bytes=4):
     return scatter + cross + gather + costs.select_s * numel / per_host + 2 * costs.pass_s * numel
 
 
-def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=None):
-    """Cheapest transport per tensor: dict name -> transport (ties: order of ``transports_of(costs)``).
+def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=None, lowrank=None, quality=None,
+                    weight=0.0):
+    """Best transport per tensor, of least J = seconds / G^weight (module docstring): dict name ->
+    transport (ties: order of ``transports_of``).
 
     Args:
         numels: dict name -> number of elements of each compressed tensor (or bucket).
         density: fraction of elements the sparse transports send, in (0, 1].
         n_workers: ranks.
         costs: ``Costs``.
-        modes: the transports to choose from (default: ``transports_of(costs)``).
+        modes: the transports to choose from (default: ``transports_of(costs, lowrank)``).
+        lowrank: dict name -> (n, m, r) of the tensors low rank may send, or None: no low rank.
+        quality: ``hvd_topk.auto.quality``'s figures (name -> energies), or None: seconds alone.
+        weight: the exponent w of G in J, >= 0.
 
     Example:
         >>> fast = Costs(alpha=1e-5, beta=1e-10, select_s=1e-9, pass_s=1e-10)
@@ -137,18 +174,19 @@ def plan_transports(numels, density, n_workers, costs, value_bytes=4, modes=None
         >>> plan_transports({"w": 10**6}, 0.001, 4, fast._replace(select_s=0.0, pass_s=0.0))
         {'w': 'allgather'}
     """
-    order = transports_of(costs)
+    order = transports_of(costs, lowrank)
     modes = order if modes is None else modes
     plan = {}
     for name, n in numels.items():
-        t = tensor_seconds(n, density, n_workers, costs, value_bytes)
-        plan[name] = min(modes, key=lambda m: (t[m], order.index(m)))
+        t = tensor_seconds(n, density, n_workers, costs, value_bytes, (lowrank or {}).get(name))
+        plan[name] = min((m for m in modes if m in t),
+                         key=lambda m: (t[m] / kept_fraction(quality, name, m) ** weight, order.index(m)))
     return plan
 
 
-def plan_seconds(numels, plan, density, n_workers, costs, value_bytes=4):
+def plan_seconds(numels, plan, density, n_workers, costs, value_bytes=4, lowrank=None):
     """Modelled seconds of a whole plan (sum over its tensors)."""
-    return sum(tensor_seconds(numels[name], density, n_workers, costs, value_bytes)[mode]
+    return sum(tensor_seconds(numels[name], density, n_workers, costs, value_bytes, (lowrank or {}).get(name))[mode]
                for name, mode in plan.items())
 
 
@@ -157,16 +195,22 @@ def uniform_plan(numels, transport):
     return {name: transport for name in numels}
 
 
-def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=TRIAL_SPAN):
+def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=TRIAL_SPAN, lowrank=None, quality=None,
+                weight=0.0):
     """Plans worth measuring: the model's per-tensor plan first, then every uniform plan (one transport
-    for all tensors, in ``TRANSPORTS`` order) whose modelled time is within ``span`` x the model's plan."""
-    plan = plan_transports(numels, density, n_workers, costs, value_bytes)
-    best = plan_seconds(numels, plan, density, n_workers, costs, value_bytes)
-    arms = [plan]
-    for mode in transports_of(costs):
-        uniform = uniform_plan(numels, mode)
-        if uniform not in arms and plan_seconds(numels, uniform, density, n_workers, costs, value_bytes) \
-                <= span * best:
+    for all tensors, in ``transports_of`` order) whose modelled J (its seconds / its energy-weighted G^w,
+    ``quality.plan_gain``) is within ``span`` x the model's plan's. Low rank's uniform plan sends only
+    the tensors of ``lowrank`` with it, the others as the model's plan does."""
+    plan = plan_transports(numels, density, n_workers, costs, value_bytes, lowrank=lowrank, quality=quality,
+                           weight=weight)
+
+    def j(p):
+        return plan_seconds(numels, p, density, n_workers, costs, value_bytes, lowrank) / \
+            plan_gain(p, quality) ** weight
+    best, arms = j(plan), [plan]
+    for mode in transports_of(costs, lowrank):
+        uniform = dict(plan, **uniform_plan(lowrank, mode)) if mode == LOWRANK else uniform_plan(numels, mode)
+        if uniform not in arms and j(uniform) <= span * best:
             arms.append(uniform)
     return arms
 
@@ -180,7 +224,7 @@ def plan_name(plan):
     """Short name of a plan for the history: "all artopk", "mixed 2 dense/3 allgather"."""
     modes = set(plan.values())
     return f"all {modes.pop()}" if len(modes) == 1 else "mixed " + "/".join(
-        f"{sum(1 for v in plan.values() if v == m)} {m}" for m in TRANSPORTS + (HIERARCHICAL,) if m in modes)
+        f"{sum(1 for v in plan.values() if v == m)} {m}" for m in TRANSPORTS + (HIERARCHICAL, LOWRANK) if m in modes)
 
 
 def fitted_link(alpha, beta, last):

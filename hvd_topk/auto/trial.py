@@ -18,7 +18,9 @@ m = ``trial_margin``, 5% by default)::
 
 and the trial ends when the second holds for every plan left (or after ``trial_max_rounds`` rounds).
 So a clear gap ends it in a few rounds, and two plans within the noise of each other take turns until
-either is shown to be within m of the other. The fastest is kept, unless the all-dense plan is within m
+either is shown to be within m of the other. Where low rank is a candidate, each plan's means are its
+J = step time / G^w (``scales``: 1 / G^w per plan, ``hvd_topk.auto.quality``), so a plan that sends
+less of the gradient at once must be faster by as much to win. The fastest is kept, unless the all-dense plan is within m
 of it: a smaller lead is noise on a busy host, and dense is exact. (The model's plan gets no such
 preference: it charges α per tensor, while Horovod fuses the tensors of a cycle and AR-Topk shares every
 index set in one allgather per step.)
@@ -96,10 +98,11 @@ def counts_round(trial):
     return trial.rounds >= _WARMUP_ROUNDS
 
 
-def end_round(trial, agreed, trial_rounds, max_rounds, margin=TRIAL_MARGIN):
+def end_round(trial, agreed, trial_rounds, max_rounds, margin=TRIAL_MARGIN, scales=None):
     """(trial, kept) after a round: ``agreed`` (the ranks' agreed ``round_means``, None for the round
     not counted) joins the means; from round ``trial_rounds`` on, the plans shown slower leave, and
-    ``kept`` is the plan to keep when the trial is over (settled, or ``max_rounds`` rounds), else None."""
+    ``kept`` is the plan to keep when the trial is over (settled, or ``max_rounds`` rounds), else None.
+    ``scales``: a factor per plan that its means are compared by (J per second), or None: 1."""
     means = [list(m) for m in trial.means]
     if agreed is not None:
         for a, m in zip(trial.active, agreed):
@@ -107,7 +110,8 @@ def end_round(trial, agreed, trial_rounds, max_rounds, margin=TRIAL_MARGIN):
     trial = dataclasses.replace(trial, rounds=trial.rounds + 1, means=means, round_means=[])
     if trial.rounds < trial_rounds:
         return trial, None
-    v = verdict(trial.arms, trial.means, trial.active, margin)
+    means = trial.means if scales is None else [[x * scale for x in m] for m, scale in zip(trial.means, scales)]
+    v = verdict(trial.arms, means, trial.active, margin)
     trial = dataclasses.replace(trial, active=v.active)
     return trial, (v.kept if v.settled or trial.rounds >= max_rounds else None)
 

@@ -8,8 +8,10 @@ from agreed numbers by the pure functions of
 - ``hvd_topk.auto.plans``: the modelled seconds of each transport and the plans they give,
 - ``hvd_topk.auto.trial``: the measured trial of plans (turns, rounds, verdict),
 - ``hvd_topk.auto.recheck``: the periodic check (re-probe on drift, the adaptive ratio),
+- ``hvd_topk.auto.quality``: what each compressor sends of a tensor's gradient at once,
 
-so every rank takes the same decision at the same step even when their clocks disagree.
+applied by its collective steps (``hvd_topk.auto.decide``), so every rank takes the same decision at the
+same step even when their clocks disagree.
 
 **Transport per tensor (communication='auto').** After the first step the ranks probe α and β
 (``hvd_topk.auto.probe``) and time the compression work of this machine (σ, π of ``hvd_topk.auto.plans``); the
@@ -17,131 +19,72 @@ model's plan, and every uniform plan modelled within 4x of it, are then measured
 (``hvd_topk.auto.trial``) and the fastest is kept (dense on a tie within the margin). In a job across
 equal hosts whose process sets Horovod has (``hvd_topk.transports.host_sets``), the probe also measures
 the link within the hosts and the link between them, and hierarchical is one more transport to model
-and to try (``hvd_topk.auto.plans``).
+and to try (``hvd_topk.auto.plans``). Where the optimizer offers low rank (``lowrank``), it is one more
+too, and each tensor's choice weighs a quality figure against time: the fraction of its accumulator's
+energy each compressor sends at once, sampled at the probe's step and at the first step of every turn
+of the trial (``hvd_topk.auto.quality``).
 
 **Re-deciding.** Every ``every`` steps the ranks agree on the window's step and communication times
 and the compression gains; a drift of the communication time from the model at two checks in a row
 re-runs the probe and the transport choice, and the ratio moves to the candidate of least
 J(c) = T(c) / G(c) ** weight when that improves J by more than 5% (``hvd_topk.auto.recheck``).
 """
-import logging
 import math
 
 import torch
 from horovod.torch import mpi_ops
 
-from . import recheck, trial as trials
-from .measure import HorovodWorld, time_compression
-from .plans import (Costs, costs_from_data, costs_to_data, fitted_link, link_figures, plan_counts, plan_seconds,
-                    plan_transports, transports_of, trial_plans, uniform_plan)
-from .probe import Probe, probe_hosts
-from .recheck import DEFAULT_WEIGHT, candidate_ratios, choose_ratio
+from . import trial as trials
+from .decide import PROBE_REPEATS, CollectiveSteps
+from .measure import HorovodWorld, sample_quality
+from .plans import costs_from_data, costs_to_data, link_figures, plan_counts, transports_of
+from .probe import Probe
+from .quality import add_sample
+from .recheck import DEFAULT_WEIGHT, candidate_ratios
 from .trial import TRIAL_MARGIN
 from ..core.sparsify import k_for, topk_energies
 from ..core.validate import check_int, check_number
 
 __all__ = ["AutoTuner", "tuner_for"]
 
-log = logging.getLogger("hvd_topk")
 
-# The probe's timed calls per message size (the median is kept): 3 is enough for the model's choice,
-# which the trial then checks by measurement, and keeps the probe short (it runs again on drift).
-_PROBE_REPEATS = 3
+class _Checkpoints:
+    """``AutoTuner``'s checkpoints: what it agreed and measured so far, as plain data."""
 
+    # what a checkpoint holds besides plan, costs, history, trial and quality (plain data)
+    _CHECKPOINTED = ("calibration", "last_probe_check", "drift_sign", "step_times", "comm_times", "gain_sums")
 
-class _CollectiveSteps:
-    """``AutoTuner``'s collective steps (every rank calls them at the same step): each has the ranks
-    agree on their measurements (``self.world.agree``) or probes, then applies the pure decisions of
-    ``hvd_topk.auto.plans``, ``hvd_topk.auto.trial`` and ``hvd_topk.auto.recheck`` to the tuner's attributes."""
+    def state_dict(self):
+        """Everything agreed and measured so far, a trial under way included, as plain data."""
+        state = {"plan": dict(self.plan), "costs": costs_to_data(self.costs), "history": list(self.history),
+                 "trial": trials.to_dict(self.trial), "quality": {k: dict(v) for k, v in self.quality.items()},
+                 "quality_sums": {k: dict(v) for k, v in self.quality_sums.items()}}
+        for key in self._CHECKPOINTED:
+            value = getattr(self, key)
+            state[key] = list(value) if isinstance(value, list) else value
+        return state
 
-    def _probe(self, state, step, reason):
-        """Probe alpha and beta, time the compression, and choose the transports (a trial of plans when
-        the model is not sure)."""
-        res = self.probe.run()
-        alpha, beta, kept = fitted_link(res.alpha, res.beta, self.costs)
-        if kept:
-            reason += ", re-probe without a bandwidth term: last alpha/beta kept"
-        select_s, pass_s = self.world.agree(time_compression(state.sparse_numels, state.ratio, state.clock),
-                                            "hvd_topk.auto.costs")
-        link = None if self.hosts is None else probe_hosts(self.hosts, _PROBE_REPEATS)
-        self.costs = Costs(alpha, beta, select_s, pass_s, link)
-        self.calibration = None
-        self.last_probe_check = step
-        if not self.auto_transport:
-            self._record(step, state.ratio, reason)
-            return
-        numels, density, n = state.sparse_numels, state.density(step + 1), self.world.size()
-        self.plan, self.trial = plan_transports(numels, density, n, self.costs), None
-        arms = trial_plans(numels, density, n, self.costs)
-        if len(arms) > 1:                               # the model is not sure enough: measure
-            self.start_trial(arms)
-        self._record(step, state.ratio, reason + (f", trial of {len(arms)} plans" if self.trial else ""))
-
-    def _trial_step(self, state, step):
-        """One step of the trial is over: next turn, next round, and after a round the agreed verdict."""
-        if not trials.turn_over(self.trial, self.trial_steps):
-            return
-        trial, round_over = trials.end_turn(self.trial)
-        if round_over:
-            agreed = self.world.agree(trial.round_means, "hvd_topk.auto.trial") if trials.counts_round(trial) \
-                else None
-            trial, kept = trials.end_round(trial, agreed, self.trial_rounds, self.trial_max_rounds, self.trial_margin)
-            if kept is not None:
-                self.trial, self.plan = None, dict(trial.arms[kept])
-                self.calibration = None                    # measured against the plan now in effect
-                self._record(step, state.ratio, trials.summary(trial, kept))
-                self.step_times, self.comm_times = [], []
-                return
-        self.trial, self.plan = trial, dict(trial.arms[trials.on_turn(trial)])
-
-    def _check(self, state, step):
-        """Agree on the window's measurements; re-probe on drift; move the ratio."""
-        row = recheck.check_row(self.step_times, self.comm_times, self.gain_sums,
-                                len(self.ratios) if self.ratios is not None else 0)
-        self.gain_sums = None
-        agreed = self.world.agree(row, "hvd_topk.auto.check")
-        step_s, comm_s, gains = agreed[0], agreed[1], agreed[2:]
-        self.step_times, self.comm_times = [], []
-        numels, n, density = state.sparse_numels, self.world.size(), state.density(step + 1)
-        fixed = None if self.auto_transport else state.communication
-        plan = self.plan if fixed is None else uniform_plan(numels, fixed)
-        modelled = plan_seconds(numels, plan, density, n, self.costs)
-        drift = recheck.drift_check(comm_s, modelled, self.calibration, self.drift_sign, self.threshold,
-                                    recheck.probe_is_old(step, self.last_probe_check, self.every))
-        self.calibration, self.drift_sign = drift.calibration, drift.sign
-        if drift.reprobe:
-            self._probe(state, step, reason=f"drift x{drift.ratio:.2f} at two checks")
-            return None
-        gain = recheck.gain_fractions(self.ratios, gains)
-        if gain is None:
-            return None
-        at = step + recheck.RATIO_DELAY
-        densities = {c: state.density_with(c, at) for c in self.ratios}
-        times = recheck.ratio_step_seconds(step_s, modelled, numels, densities, n, self.costs, fixed)
-        new = choose_ratio(state.ratio, times, gain, self.weight)
-        if new == state.ratio:
-            return None
-        self._record(step, new, recheck.ratio_reason(state.ratio, new, gain, times))
-        if self.auto_transport:
-            self.plan = plan_transports(numels, state.density_with(new, at), n, self.costs)
-        self.calibration = None
-        return at, new
-
-    def _record(self, step, ratio, reason):
-        counts = plan_counts(self.plan, transports_of(self.costs)) if self.auto_transport else {}
-        self.history.append((step, ratio, counts, reason))
-        if self.world.rank() == 0:
-            log.info("hvd_topk auto at step %d: ratio %g, transports %s (%s); alpha %.3g s, beta %.3g s/B",
-                     step, ratio, counts, reason, self.costs.alpha, self.costs.beta)
+    def load_state_dict(self, state):
+        """Continue from ``state_dict()``; an older checkpoint (plan, costs, history) restores those."""
+        self.plan = dict(state["plan"])
+        self.costs = costs_from_data(state["costs"])
+        self.history = list(state["history"])
+        self.quality = {k: dict(v) for k, v in state.get("quality", {}).items()}
+        self.quality_sums = {k: dict(v) for k, v in state.get("quality_sums", {}).items()}
+        if "trial" in state:
+            self.trial = trials.from_dict(state["trial"])
+            for key in self._CHECKPOINTED:
+                value = state[key]
+                setattr(self, key, list(value) if isinstance(value, list) else value)
 
 
-class AutoTuner(_CollectiveSteps):
+class AutoTuner(CollectiveSteps, _Checkpoints):
     """Per-optimizer state of the automatic decisions (identical on every rank).
 
     Args:
         auto_transport: choose the transport of every compressed tensor (communication='auto').
         ratios: candidate ratios for the adaptive ratio, descending; None: fixed ratio.
-        weight: exponent of the gain in J.
+        weight: exponent of the gain in J (the adaptive ratio's, and the quality's where low rank is offered).
         every: steps between checks (ratio, drift), >= 2.
         trial_steps: steps of one plan in a row during the trial of plans (the first is not counted), >= 2.
         trial_rounds: the fewest rounds of the trial (the first is not counted), >= 3.
@@ -151,9 +94,6 @@ class AutoTuner(_CollectiveSteps):
         threshold: relative drift of communication time that triggers a new probe.
         probe: a ``hvd_topk.auto.probe.Probe`` (default ``Probe(repeats=3)``).
     """
-
-    # what a checkpoint holds besides plan, costs, history and trial (plain data)
-    _CHECKPOINTED = ("calibration", "last_probe_check", "drift_sign", "step_times", "comm_times", "gain_sums")
 
     def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=4, trial_rounds=5,
                  threshold=0.5, probe=None, trial_margin=TRIAL_MARGIN, trial_max_rounds=21):
@@ -167,14 +107,17 @@ class AutoTuner(_CollectiveSteps):
         self.auto_transport, self.ratios, self.weight = auto_transport, ratios, weight
         self.every, self.trial_steps, self.trial_rounds, self.threshold = every, trial_steps, trial_rounds, threshold
         self.trial_margin, self.trial_max_rounds = trial_margin, trial_max_rounds
-        self.probe = probe or Probe(repeats=_PROBE_REPEATS)
+        self.probe = probe or Probe(repeats=PROBE_REPEATS)
         self.world = HorovodWorld()
         self.hosts = None                 # HostSets of a job across equal hosts: hierarchical is a candidate
+        self.lowrank = None               # the optimizer's LowRank, where low rank is a candidate
+        self.first_step = 0               # the step whose end runs the first probe (the last dense step)
         # agreed measurements
         self.costs = None                 # Costs, after the first probe
         self.calibration = None           # measured / modelled communication at the first check after a probe
         self.last_probe_check = -math.inf
         self.drift_sign = 0               # +1/-1: the last check drifted up/down beyond threshold; 0: not
+        self.quality = {}                 # name -> hvd_topk.auto.quality's FIELDS, agreed (low rank offered)
         # decisions
         self.plan = {}                    # name -> transport, in effect now (auto_transport)
         self.trial = None                 # trial.Trial under way, or None
@@ -182,6 +125,7 @@ class AutoTuner(_CollectiveSteps):
         # this rank's measurements of the current window
         self.step_times, self.comm_times = [], []
         self.gain_sums = None             # [energy of each candidate ..., ||acc||^2] of one step
+        self.quality_sums = {}            # name -> FIELDS, this rank's samples since the last agreement
 
     # -- what the optimizer asks ------------------------------------------------------------------
 
@@ -195,16 +139,35 @@ class AutoTuner(_CollectiveSteps):
         """``opt.stats()``'s share: the probed costs; with communication='auto', tensors per transport."""
         if self.costs is None:
             return {}
-        counts = plan_counts(self.plan, transports_of(self.costs)) if self.auto_transport else {}
+        counts = plan_counts(self.plan, self.transports()) if self.auto_transport else {}
         return dict(alpha=self.costs.alpha, beta=self.costs.beta, **link_figures(self.costs),
                     **{f"auto_{m}": c for m, c in counts.items()})
 
-    def wants_gains(self, step):
-        """Whether this step's accumulators feed the gain estimate (the step before a check)."""
-        return self.ratios is not None and step >= 1 and (step + 1) % self.every == 0
+    def transports(self):
+        """The transports a plan chooses from (``hvd_topk.auto.plans.transports_of``)."""
+        return transports_of(self.costs, self.lowrank is not None)
 
-    def observe_acc(self, acc):
-        """Add one accumulator's top-k energies for every candidate ratio (this rank)."""
+    def samples_quality(self, step):
+        """Whether this step's accumulators are sampled for the quality figures (low rank offered): the
+        first probe's step, and the first step of every turn of a trial (not timed)."""
+        if self.lowrank is None or not self.auto_transport:
+            return False
+        return step >= self.first_step if self.costs is None else self.trial is not None and not self.trial.turn_times
+
+    def wants_gains(self, step):
+        """Whether this step's accumulators feed the gain estimate (the step before a check) or the
+        quality figures (``samples_quality``)."""
+        return self.ratios is not None and step >= 1 and (step + 1) % self.every == 0 or self.samples_quality(step)
+
+    def observe_acc(self, acc, key=None, k=None, grad=None):
+        """Where low rank is offered, add the gradient ``grad`` of ``key`` (Top-K sends ``k`` entries) to
+        this rank's quality sums; else one accumulator's top-k energies for every candidate ratio (never
+        both: the adaptive ratio leaves low rank out). The quality is the fresh gradient's: an
+        accumulator's residual is what the plans of the last steps left, so a trial would measure its arms."""
+        if self.lowrank is not None:
+            self.quality_sums = add_sample(self.quality_sums, key, *sample_quality(grad.reshape(-1), key, k,
+                                                                                  self.lowrank))
+            return
         energies = topk_energies(acc, [k_for(acc.numel(), c) for c in self.ratios])
         row = energies + [float(torch.dot(acc.double(), acc.double()))]
         self.gain_sums = row if self.gain_sums is None else [a + b for a, b in zip(self.gain_sums, row)]
@@ -233,28 +196,6 @@ class AutoTuner(_CollectiveSteps):
         """Measure ``arms`` (plans) in turns from the next step on (``hvd_topk.auto.trial``)."""
         self.trial = trials.new_trial(arms)
         self.plan = dict(arms[0])
-
-    # -- checkpoints -------------------------------------------------------------------------------
-
-    def state_dict(self):
-        """Everything agreed and measured so far, a trial under way included, as plain data."""
-        state = {"plan": dict(self.plan), "costs": costs_to_data(self.costs),
-                 "history": list(self.history), "trial": trials.to_dict(self.trial)}
-        for key in self._CHECKPOINTED:
-            value = getattr(self, key)
-            state[key] = list(value) if isinstance(value, list) else value
-        return state
-
-    def load_state_dict(self, state):
-        """Continue from ``state_dict()``; an older checkpoint (plan, costs, history) restores those."""
-        self.plan = dict(state["plan"])
-        self.costs = costs_from_data(state["costs"])
-        self.history = list(state["history"])
-        if "trial" in state:
-            self.trial = trials.from_dict(state["trial"])
-            for key in self._CHECKPOINTED:
-                value = state[key]
-                setattr(self, key, list(value) if isinstance(value, list) else value)
 
 
 def tuner_for(communication, adaptive_ratio, ratio, weight, every, process_set):

@@ -118,7 +118,7 @@ class StepCoordinator:
         acc_sq, finite = sq_norm_finite(acc)
         self.leaders.observe(acc_sq if math.isfinite(acc_sq) else 0.0)
         if gains and finite:
-            self.tuner.observe_acc(acc)
+            self.tuner.observe_acc(acc, key, k_next, g)
         # a density-1 step that still feeds the gains goes as AR-Topk of everything (values + flag)
         # every rank selects its own top-k (low rank: makes its own P)
         own_topk = mode in ("allgather", "split_reduce", "hierarchical", "lowrank")

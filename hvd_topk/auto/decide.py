@@ -1,0 +1,134 @@
+"""The collective steps of ``hvd_topk.auto.tuner.AutoTuner``: the probe and the choice of transports, a
+step of the trial, the periodic check. Every rank runs each at the same step; each has the ranks agree
+on their measurements, then applies pure decisions to the tuner's attributes (docs/auto.md).
+"""
+import logging
+
+from . import recheck, trial as trials
+from .measure import lowrank_sizes, time_compression
+from .plans import Costs, fitted_link, plan_counts, plan_seconds, plan_transports, trial_plans, uniform_plan
+from .probe import probe_hosts
+from .quality import plan_gain, quality_from_row, quality_row
+from .recheck import choose_ratio
+
+__all__ = ["CollectiveSteps", "PROBE_REPEATS"]
+
+log = logging.getLogger("hvd_topk")
+
+# The probe's timed calls per message size (the median is kept): 3 is enough for the model's choice,
+# which the trial then checks by measurement, and keeps the probe short (it runs again on drift).
+PROBE_REPEATS = 3
+
+
+class CollectiveSteps:
+    """``AutoTuner``'s collective steps (every rank calls them at the same step): each has the ranks
+    agree on their measurements (``self.world.agree``) or probes, then applies the pure decisions of
+    ``hvd_topk.auto.plans``, ``hvd_topk.auto.trial``, ``hvd_topk.auto.recheck`` and ``hvd_topk.auto.quality``
+    to the tuner's attributes."""
+
+    def _numels(self, state):
+        """name -> elements of the tensors auto chooses for: the compressed ones no pin holds."""
+        pinned = getattr(state, "pin", None) or {}
+        return {k: v for k, v in state.sparse_numels.items() if k not in pinned}
+
+    def _sizes(self, numels):
+        """name -> (n, m, r) of ``numels``' tensors low rank may send; None where it is no candidate."""
+        return None if self.lowrank is None else lowrank_sizes(self.lowrank, numels)
+
+    def _agree_quality(self, names, extra=(), name="hvd_topk.auto.quality"):
+        """The ranks agree on ``extra`` and this rank's quality sums (where low rank is a candidate) in one
+        allreduce; the figures they give join ``self.quality``. Returns the agreed ``extra``."""
+        row = list(extra) + (quality_row(self.quality_sums, names) if self.lowrank is not None else [])
+        agreed = self.world.agree(row, name) if row else []
+        if self.lowrank is not None:
+            self.quality = dict(self.quality, **quality_from_row(agreed[len(extra):], names))
+        return agreed[:len(extra)]
+
+    def _plans(self, numels, density, n):
+        """(the model's plan, the plans worth a trial) at ``density``, quality weighed where sampled."""
+        figures = dict(lowrank=self._sizes(numels), quality=self.quality, weight=self.weight if self.quality else 0.0)
+        return plan_transports(numels, density, n, self.costs, **figures), \
+            trial_plans(numels, density, n, self.costs, **figures)
+
+    def _probe(self, state, step, reason):
+        """Probe alpha and beta, time the compression, and choose the transports (a trial of plans when
+        the model is not sure)."""
+        res = self.probe.run()
+        alpha, beta, kept = fitted_link(res.alpha, res.beta, self.costs)
+        if kept:
+            reason += ", re-probe without a bandwidth term: last alpha/beta kept"
+        numels = self._numels(state)
+        select_s, pass_s, matmul_s = self._agree_quality(
+            sorted(numels), time_compression(state.sparse_numels, state.ratio, state.clock), "hvd_topk.auto.costs")
+        self.quality_sums = {}
+        link = None if self.hosts is None else probe_hosts(self.hosts, PROBE_REPEATS)
+        self.costs = Costs(alpha, beta, select_s, pass_s, link, matmul_s)
+        self.calibration = None
+        self.last_probe_check = step
+        if not self.auto_transport:
+            self._record(step, state.ratio, reason)
+            return
+        self.plan, arms = self._plans(numels, state.density(step + 1), self.world.size())
+        self.trial = None
+        if len(arms) > 1:                               # the model is not sure enough: measure
+            self.start_trial(arms)
+        self._record(step, state.ratio, reason + (f", trial of {len(arms)} plans" if self.trial else ""))
+
+    def _trial_step(self, state, step):
+        """One step of the trial is over: next turn, next round, and after a round the agreed verdict."""
+        if not trials.turn_over(self.trial, self.trial_steps):
+            return
+        trial, round_over = trials.end_turn(self.trial)
+        if round_over:
+            agreed = self._agree_quality(sorted(self._numels(state)), trial.round_means, "hvd_topk.auto.trial") \
+                if trials.counts_round(trial) else None
+            scales = [1 / plan_gain(arm, self.quality) ** self.weight for arm in trial.arms] if self.quality else None
+            trial, kept = trials.end_round(trial, agreed, self.trial_rounds, self.trial_max_rounds, self.trial_margin,
+                                           scales)
+            if kept is not None:
+                self.trial, self.plan = None, dict(trial.arms[kept])
+                self.calibration = None                    # measured against the plan now in effect
+                self._record(step, state.ratio, trials.summary(trial, kept))
+                self.step_times, self.comm_times = [], []
+                return
+        self.trial, self.plan = trial, dict(trial.arms[trials.on_turn(trial)])
+
+    def _check(self, state, step):
+        """Agree on the window's measurements; re-probe on drift; move the ratio."""
+        row = recheck.check_row(self.step_times, self.comm_times, self.gain_sums,
+                                len(self.ratios) if self.ratios is not None else 0)
+        self.gain_sums = None
+        agreed = self.world.agree(row, "hvd_topk.auto.check")
+        step_s, comm_s, gains = agreed[0], agreed[1], agreed[2:]
+        self.step_times, self.comm_times = [], []
+        numels, n, density = self._numels(state), self.world.size(), state.density(step + 1)
+        fixed = None if self.auto_transport else state.communication
+        plan = self.plan if fixed is None else uniform_plan(numels, fixed)
+        modelled = plan_seconds(numels, plan, density, n, self.costs, lowrank=self._sizes(numels))
+        drift = recheck.drift_check(comm_s, modelled, self.calibration, self.drift_sign, self.threshold,
+                                    recheck.probe_is_old(step, self.last_probe_check, self.every))
+        self.calibration, self.drift_sign = drift.calibration, drift.sign
+        if drift.reprobe:
+            self._probe(state, step, reason=f"drift x{drift.ratio:.2f} at two checks")
+            return None
+        gain = recheck.gain_fractions(self.ratios, gains)
+        if gain is None:
+            return None
+        at = step + recheck.RATIO_DELAY
+        densities = {c: state.density_with(c, at) for c in self.ratios}
+        times = recheck.ratio_step_seconds(step_s, modelled, numels, densities, n, self.costs, fixed)
+        new = choose_ratio(state.ratio, times, gain, self.weight)
+        if new == state.ratio:
+            return None
+        self._record(step, new, recheck.ratio_reason(state.ratio, new, gain, times))
+        if self.auto_transport:
+            self.plan = self._plans(numels, state.density_with(new, at), n)[0]
+        self.calibration = None
+        return at, new
+
+    def _record(self, step, ratio, reason):
+        counts = plan_counts(self.plan, self.transports()) if self.auto_transport else {}
+        self.history.append((step, ratio, counts, reason))
+        if self.world.rank() == 0:
+            log.info("hvd_topk auto at step %d: ratio %g, transports %s (%s); alpha %.3g s, beta %.3g s/B",
+                     step, ratio, counts, reason, self.costs.alpha, self.costs.beta)

@@ -1,0 +1,152 @@
+"""communication='auto' with low rank among its choices (hvd_topk/auto/quality.py, plans.py, measure.py).
+
+In one process, where the decision is pure: the quality figures of a row-sparse gradient (Top-K sends
+all of it, rank 4 a fifth) and of a rank-2 gradient (rank 4 sends all, Top-K a quarter); the plan per
+tensor from modelled time and quality (each tensor its compressor; quality turning a choice that time
+alone makes); low rank's modelled seconds; a trial's verdict by J; the cases that leave low rank out.
+On 2 real ranks behind a 100 Mbit/s link (tests/workers/auto_mix.py): the probe, the sampled quality and
+a trial of five plans keep each tensor on its compressor, the same on every rank.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hvd_topk
+from hvd_topk.auto import trial as trials
+from hvd_topk.auto.measure import lowrank_sizes, sample_quality
+from hvd_topk.auto.plans import Costs, costs_from_data, costs_to_data, plan_transports, tensor_seconds, trial_plans
+from hvd_topk.auto.quality import TOPK, add_sample, kept_fraction, plan_gain, quality_from_row, quality_row
+from hvd_topk.core.sparsify import k_for
+from hvd_topk.settings import PowerSGDSettings
+from hvd_topk.transports.build import build_transports
+from testbed.pytest_jobs import job
+
+from conftest import assert_identical_across_ranks
+
+SHAPES = {"emb": (2000, 64), "fc": (512, 256)}
+SLOW = Costs(alpha=1e-4, beta=8e-8, select_s=1e-9, pass_s=1e-10, matmul_s=1e-10)      # 100 Mbit/s
+
+
+def built_gradients(seed=0):
+    """A row-sparse gradient (30 of 2000 rows, rank 30) and one of rank 2."""
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.zeros(SHAPES["emb"])
+    emb[torch.randperm(2000, generator=gen)[:30]] = torch.randn(30, 64, generator=gen)
+    return {"emb": emb, "fc": torch.randn(512, 2, generator=gen) @ torch.randn(2, 256, generator=gen)}
+
+
+def quality_of(hvd, density):
+    """The quality figures of ``built_gradients`` (Top-K at ``density``, rank 4) and the low-rank sizes."""
+    lowrank = build_transports(PowerSGDSettings(rank=4), tag="auto.lowrank", key_index={},
+                               shapes=SHAPES).transports["lowrank"]
+    quality = {}
+    for key, g in built_gradients().items():
+        quality = add_sample(quality, key, *sample_quality(g.reshape(-1), key, k_for(g.numel(), density), lowrank))
+    return quality, lowrank_sizes(lowrank, SHAPES)
+
+
+def test_quality_favours_each_compressor_on_its_tensor(hvd):
+    quality, sizes = quality_of(hvd, 0.02)
+    assert sizes == {"emb": (2000, 64, 4), "fc": (512, 256, 4)}
+    assert kept_fraction(quality, "emb", "split_reduce") == pytest.approx(1.0)     # 1920 of 2560 entries
+    assert kept_fraction(quality, "emb", "lowrank") < 0.3                          # rank 4 of 30
+    assert kept_fraction(quality, "fc", "lowrank") == pytest.approx(1.0, abs=1e-5)
+    assert kept_fraction(quality, "fc", "artopk") < 0.3
+    assert all(kept_fraction(quality, key, "dense") == 1.0 for key in SHAPES)
+    # the ranks agree on the sums as one row: the same figures back
+    assert quality_from_row(quality_row(quality, sorted(SHAPES)), sorted(SHAPES)) == quality
+
+
+def test_each_tensor_takes_its_compressor_and_quality_can_turn_the_choice(hvd):
+    numels = {key: math.prod(shape) for key, shape in SHAPES.items()}
+    quality, sizes = quality_of(hvd, 0.02)
+    plan = plan_transports(numels, 0.02, 2, SLOW, lowrank=sizes, quality=quality, weight=0.3)
+    assert plan["emb"] in TOPK and plan["fc"] == "lowrank", plan
+    # at density 0.002 Top-K is the fastest for both, by a factor 3.8 on fc; fc's Top-K sends 5% of its
+    # energy: weighed at w = 1, rank 4 (all of it) wins there; at w = 0 (time alone) it does not
+    quality, _ = quality_of(hvd, 0.002)
+    assert plan_transports(numels, 0.002, 2, SLOW, lowrank=sizes, quality=quality, weight=0.0) == \
+        {"emb": "allgather", "fc": "allgather"}
+    assert plan_transports(numels, 0.002, 2, SLOW, lowrank=sizes, quality=quality, weight=1.0) == \
+        {"emb": "allgather", "fc": "lowrank"}
+    # the trial's plans: the model's, then each uniform one within 4x of its J; all low rank among them
+    arms = trial_plans(numels, 0.02, 2, SLOW, lowrank=sizes, quality=quality, weight=0.3)
+    assert arms[0] == plan_transports(numels, 0.02, 2, SLOW, lowrank=sizes, quality=quality, weight=0.3)
+    assert {"emb": "lowrank", "fc": "lowrank"} in arms and {"emb": "dense", "fc": "dense"} not in arms
+
+
+def test_lowrank_seconds_and_costs_round_trip():
+    t = tensor_seconds(512 * 256, 0.02, 2, SLOW, lowrank=(512, 256, 4))
+    p_bytes, q_bytes = 4 * 512 * 4, 4 * 256 * 4          # 2 ranks: a ring allreduce is 2α + Mβ
+    assert math.isclose(t["lowrank"], 4e-4 + (p_bytes + q_bytes) * 8e-8 + 3e-10 * 4 * 512 * 256 + 2e-10 * 512 * 256)
+    assert tensor_seconds(100, 0.02, 2, SLOW, lowrank=(10, 10, 0))["lowrank"] == \
+        tensor_seconds(100, 0.02, 2, SLOW)["dense"]                                 # sent dense there
+    assert "lowrank" not in tensor_seconds(100, 0.02, 2, SLOW)
+    assert costs_from_data(costs_to_data(SLOW)) == SLOW
+    assert costs_from_data(costs_to_data(SLOW)[:4]) == SLOW._replace(matmul_s=0.0)     # an older checkpoint
+
+
+def test_the_trial_compares_plans_by_j():
+    """Two plans of equal step time: the one that sends half the energy at once loses at w = 1 (its J
+    doubles) and ties at w = 0 (the first, the model's, is kept)."""
+    quality = {"w": {"energy": 1.0, "topk": 0.5, "lowrank": 1.0}}
+    arms = [{"w": "lowrank"}, {"w": "artopk"}]
+    for weight, kept in ((1.0, {"w": "lowrank"}), (0.0, {"w": "lowrank"})):
+        trial = trials.new_trial(arms)
+        scales = [1 / plan_gain(arm, quality) ** weight for arm in arms]
+        for _ in range(4):
+            for _ in arms:
+                trial = trials.record_step(trials.record_step(trial, 0.1), 0.1)
+                trial, _ = trials.end_turn(trial)
+            agreed = list(trial.round_means) if trials.counts_round(trial) else None
+            trial, verdict = trials.end_round(trial, agreed, 3, 4, scales=scales)
+        assert dict(trial.arms[verdict]) == kept
+    trial = trials.new_trial(arms[::-1])                 # all Top-K first, 10% faster: J 1.8x at w = 1
+    scales = [1 / plan_gain(arm, quality) for arm in arms[::-1]]
+    for _ in range(4):
+        for step_s in (0.09, 0.1):
+            trial = trials.record_step(trials.record_step(trial, step_s), step_s)
+            trial, _ = trials.end_turn(trial)
+        agreed = list(trial.round_means) if trials.counts_round(trial) else None
+        trial, verdict = trials.end_round(trial, agreed, 3, 4, scales=scales)
+    assert dict(trial.arms[verdict]) == {"w": "lowrank"}
+
+
+def _optimizer(compression=None, **settings):
+    model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1))
+    return hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters(), communication="auto",
+                                         compression=compression or hvd_topk.TopKEF(ratio=0.05, min_numel=64),
+                                         settings=hvd_topk.OptimizerSettings(**settings))
+
+
+def test_low_rank_is_a_candidate_unless_top_k_only_settings_or_ratio_one(hvd):
+    assert _optimizer()._hvd_topk.tuner.lowrank is not None
+    assert _optimizer(hvd_topk.PowerSGD(rank=2))._hvd_topk.tuner.lowrank.rank == 2
+    assert _optimizer(momentum_correction=True)._hvd_topk.tuner.lowrank is None
+    assert _optimizer(hvd_topk.TopKEF(ratio=1.0))._hvd_topk.tuner.lowrank is None    # dense Horovod stays exact
+    tuner = _optimizer(dense_steps=5)._hvd_topk.tuner
+    assert tuner.first_step == 4 and not tuner.samples_quality(3) and tuner.samples_quality(4)
+
+
+MIX = job(2, "auto_mix.py", netns="100mbit", timeout=300)
+
+
+@pytest.mark.jobs(MIX)
+def test_on_two_ranks_each_tensor_keeps_its_compressor(results):
+    """100 Mbit/s: dense is far off; the model's plan sends emb with Top-K and fc with rank 4, and the
+    trial of it against all artopk, split_reduce, allgather and low rank (J at w = 2) keeps it. Every
+    decision, the quality figures and the parameters are the same on every rank."""
+    ranks = results(MIX)
+    first = ranks[0]
+    assert first["model_plan"]["emb"] in TOPK and first["model_plan"]["fc"] == "lowrank", first["model_plan"]
+    assert first["auto"]["plan"]["emb"] in TOPK and first["auto"]["plan"]["fc"] == "lowrank", first["auto"]["history"]
+    history = first["auto"]["history"]
+    assert "trial of 5 plans" in history[0][3] and "kept mixed" in history[-1][3], history
+    quality = first["quality"]
+    assert quality["emb"]["topk"] / quality["emb"]["energy"] > 0.99 > 0.3 > quality["emb"]["lowrank"] / quality["emb"]["energy"]
+    assert quality["fc"]["lowrank"] / quality["fc"]["energy"] > 0.99 > 0.4 > quality["fc"]["topk"] / quality["fc"]["energy"]
+    assert all(r["auto"] == first["auto"] and r["quality"] == first["quality"] for r in ranks)
+    assert_identical_across_ranks(ranks)
