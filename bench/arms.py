@@ -2,16 +2,19 @@
 
 ``ARMS`` maps an arm's name to a function that takes a ``Build`` (the arm's own copy of the model, the
 task, the run's ratio) and returns the arm's optimizer: stock Horovod (dense, fp16, TopKEF with each
-transport), hvd_topk's DistributedOptimizer (each transport, auto, the DGC levers), or PyTorch DDP
-with a communication hook. Adding an arm is adding one entry, e.g. a stock Horovod compressor::
+transport, hvd_topk's PowerSGD), hvd_topk's DistributedOptimizer (each transport, auto, the DGC levers,
+low rank), or PyTorch DDP with a communication hook. Adding an arm is adding one entry, e.g. a stock
+Horovod compressor::
 
-    "powersgd r4": lambda b: b.horovod(PowerSGD(rank=4)),
+    "horovod fp16": lambda b: b.horovod(hvd.Compression.fp16),
 
 A name may end in keyword overrides in brackets (values: numbers, true/false, or words):
 ``hvd_topk[communication=allgather,momentum_correction=true,warmup_epochs=4]``, ``topkef[budget=2]``,
 ``horovod dense[groups=1]``. TopKEF's own arguments (ratio, min_numel, budget, sync_indices) go to
 TopKEF, Horovod's (groups, num_groups, backward_passes_per_step, sparse_as_dense) to the
-DistributedOptimizer, the rest to hvd_topk's (``communication`` and its settings). DDP arms take none.
+DistributedOptimizer, the rest to hvd_topk's (``communication`` and its settings). Low-rank arms
+(``powersgd rN``, ``hvd_topk powersgd rN``) give PowerSGD's own (communication, min_compression_rate,
+seed, epsilon) to ``hvd_topk.PowerSGD``. DDP arms take none.
 
 Every Horovod arm names its parameters ``a<i>.<name>`` (``i``: its place in the run), so no two arms'
 collectives share a name. DDP arms wrap the model in ``DistributedDataParallel`` over the Gloo group
@@ -20,7 +23,9 @@ the P and Q allreduces that the hook issues from its worker thread with the next
 issued from the autograd thread in different orders on different ranks ("Received data size doesn't
 match expected size"); with one bucket there is one chain of collectives per step, in the same order
 on every rank. PowerSGD's first 2 steps are dense (``START_POWERSGD_ITER``, the fewest torch allows
-with error feedback), so runs warm every arm up for more steps than that.
+with error feedback), so runs warm every arm up for more steps than that; ``hvd_topk powersgd rN``
+takes the same 2 dense steps (``dense_steps``), and ``powersgd rN`` (stock Horovod, which has no such
+setting) compresses from the first.
 """
 import re
 
@@ -36,6 +41,7 @@ __all__ = ["ARMS", "Arm", "Build", "parse_arm", "START_POWERSGD_ITER", "TOPKEF_A
 
 START_POWERSGD_ITER = 2
 TOPKEF_ARGS = ("ratio", "min_numel", "budget", "sync_indices")
+POWERSGD_ARGS = ("communication", "min_compression_rate", "seed", "epsilon")
 HOROVOD_ARGS = ("groups", "num_groups", "backward_passes_per_step", "sparse_as_dense")
 # arms whose transport needs Horovod's process sets of the hosts (hvd_topk.host_process_sets)
 HOST_SETS = ("hierarchical", "auto")
@@ -89,6 +95,28 @@ class Build:
         return hvd_topk.DistributedOptimizer(self.task.make_opt(self.model), named_parameters=self.named,
                                              compression=hvd_topk.TopKEF(**topk), **keywords)
 
+    def powersgd(self, rank):
+        """Stock Horovod with ``hvd_topk.PowerSGD`` at ``rank`` (the name's PowerSGD and Horovod arguments)."""
+        low_rank = {k: v for k, v in self.overrides.items() if k in POWERSGD_ARGS}
+        horovod_args = {k: v for k, v in self.overrides.items() if k in HOROVOD_ARGS}
+        unknown = set(self.overrides) - set(low_rank) - set(horovod_args)
+        if unknown:
+            raise ValueError(f"powersgd arms take PowerSGD's {POWERSGD_ARGS} and Horovod's {HOROVOD_ARGS}, got "
+                             f"{sorted(unknown)}")
+        return self.horovod(hvd_topk.PowerSGD(rank, named_parameters=self.named, **low_rank), **horovod_args)
+
+    def hvd_topk_powersgd(self, rank):
+        """``hvd_topk.DistributedOptimizer`` with ``hvd_topk.PowerSGD`` at ``rank``, its first
+        ``START_POWERSGD_ITER`` steps dense as torch's hook's; the name's PowerSGD arguments go to
+        PowerSGD, Horovod's to the optimizer, the rest to its settings."""
+        low_rank = {k: v for k, v in self.overrides.items() if k in POWERSGD_ARGS}
+        keywords = {k: v for k, v in self.overrides.items() if k in HOROVOD_ARGS}
+        rest = {k: v for k, v in self.overrides.items() if k not in POWERSGD_ARGS + HOROVOD_ARGS}
+        settings = hvd_topk.OptimizerSettings(**{"dense_steps": START_POWERSGD_ITER, **rest})
+        return hvd_topk.DistributedOptimizer(self.task.make_opt(self.model), named_parameters=self.named,
+                                             compression=hvd_topk.PowerSGD(rank, **low_rank), settings=settings,
+                                             **keywords)
+
     def ddp(self, hook=None, state=None, one_bucket=False):
         """PyTorch DDP over torch.distributed's group, with ``hook`` (and its state) registered."""
         model_mb = sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2 ** 20
@@ -126,6 +154,13 @@ ARMS = {
     "hvd_topk mc": lambda b: b.hvd_topk(momentum_correction=True),
     "hvd_topk warmup": lambda b: b.hvd_topk(warmup_steps=b.task.steps_per_epoch),
     "hvd_topk dgc": lambda b: b.hvd_topk(momentum_correction=True, warmup_steps=b.task.steps_per_epoch),
+    # low rank through both doors, beside torch's hook at the same ranks
+    "hvd_topk powersgd r1": lambda b: b.hvd_topk_powersgd(1),
+    "hvd_topk powersgd r2": lambda b: b.hvd_topk_powersgd(2),
+    "hvd_topk powersgd r4": lambda b: b.hvd_topk_powersgd(4),
+    "powersgd r1": lambda b: b.powersgd(1),
+    "powersgd r2": lambda b: b.powersgd(2),
+    "powersgd r4": lambda b: b.powersgd(4),
     "ddp": lambda b: b.ddp(),
     "ddp fp16": lambda b: b.ddp(default_hooks.fp16_compress_hook),
     "ddp powersgd r1": lambda b: b.ddp_powersgd(1),
