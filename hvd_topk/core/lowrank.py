@@ -172,7 +172,8 @@ def decompress(p, q_sum, ranks, average):
 
     Returns:
         The aggregate (n x m); the mean P Q^T, which every rank's residual subtracts (M_i - mean);
-        Q = q_sum / W, the next warm start (torch's hook keeps the averaged Q).
+        Q = q_sum / W, the next warm start (torch's hook keeps the averaged Q). Summing, the aggregate
+        is W times the mean, so Σ_i residual_i + aggregate = Σ_i M_i holds for the numbers computed.
 
     Example:
         >>> agg, mean, q = decompress(torch.eye(2), torch.full((2, 2), 4.0), ranks=2, average=False)
@@ -180,8 +181,8 @@ def decompress(p, q_sum, ranks, average):
         ([[4.0, 4.0], [4.0, 4.0]], [[2.0, 2.0], [2.0, 2.0]])
     """
     q = q_sum * (1.0 / ranks)
-    mean = p @ q.T
-    return (mean if average else p @ q_sum.T), mean, q
+    mean = p @ q.T                                  # the one n x m product: the sum is W times it
+    return (mean if average else mean * ranks), mean, q
 
 
 def next_warm_start(q_old, q_new):

@@ -51,6 +51,12 @@ def _all_finite(*tensors):
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _product_finite(q_sum, rank):
+    """Whether P Q^T is finite, read from the m x r ``q_sum`` alone (no pass over the n x m product): P's
+    columns have norm 1 or 0, so every entry of P (q_sum / W)^T and of P q_sum^T is at most r max|q_sum|."""
+    return _all_finite(q_sum) and float(q_sum.abs().max()) * rank < torch.finfo(q_sum.dtype).max
+
+
 def _shape_of(shapes, key, acc, grad):
     """``key``'s shape: from ``shapes``, else ``grad``'s, else the flat ``acc``'s (dense)."""
     shape = shapes.get(key, grad.shape if grad is not None and grad.numel() == acc.numel() else acc.shape)
@@ -222,9 +228,9 @@ class LowRank:
 
     def _lowrank(self, key, work, p, q_sum):
         """A compressed key's outcome: the aggregate and this rank's residual; Q kept if all finite."""
-        aggregate, mean, q = decompress(p, q_sum, self.collectives.process_set.size(), self.average)
-        if not _all_finite(q_sum, aggregate, mean):         # identical on every rank: all skip
+        if not _product_finite(q_sum, q_sum.shape[1]):      # identical on every rank: all skip
             return Outcome(None, None)
+        aggregate, mean, q = decompress(p, q_sum, self.collectives.process_set.size(), self.average)
         self.q[key] = next_warm_start(work.q_old, q)
         return Outcome(aggregate.reshape(-1), None, residual=(work.matrix - mean).reshape(-1))
 
