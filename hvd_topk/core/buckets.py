@@ -1,0 +1,123 @@
+"""A step's compressed tensors in buckets, and how each tensor's entries are framed on the wire (no Horovod).
+
+- ``plan_buckets``: the partition of a front door's keys into buckets, as DDP buckets its gradients:
+  keys in reverse registration order (backward makes the last layers' gradients ready first), a new
+  bucket whenever the next key would take the bucket past the cap. Every rank computes it from the same
+  keys in the same order, so the buckets are identical everywhere.
+- ``wire_kind``: the codec's value kind (``hvd_topk.core.codec``) for an accumulator's dtype and the
+  ``values`` setting: 16 bits by default where the gradient is float32; fp32 with ``values='fp32'``;
+  float64 accumulators go unchanged ('fp64'); float16 and bfloat16 ones in their own 16 bits.
+- ``frame`` / ``read_frames``: one tensor's part of a bucket's buffer for one destination: an 8-byte
+  frame (int32 ``signature`` of the key, its size and the index range; float32 flag) and one codec
+  message. The signature lets a receiver refuse a buffer that another rank filled with other tensors
+  (other keys, sizes or index regions) instead of reading it wrongly; the flag is the sender's largest
+  |value| sent, or inf when its accumulator was not finite.
+"""
+import zlib
+
+import torch
+
+from .codec import VALUE_KINDS, message_nbytes
+from .validate import check_choice, check_int
+from .wire import FRAME_BYTES
+
+__all__ = ["plan_buckets", "cap_numel", "wire_kind", "wire_dtype", "signature", "frame", "read_frames", "flag_of"]
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def plan_buckets(keys, numels, cap):
+    """The buckets of ``keys`` (given in registration order): reversed, cut where the next key would
+    take a bucket's elements past ``cap``.
+
+    Args:
+        keys: the keys in registration order (identical on every rank).
+        numels: key -> number of elements of its tensor.
+        cap: most elements per bucket, int >= 0 (a larger tensor is a bucket alone); 0: one bucket.
+
+    Returns:
+        list of lists of keys, every key in exactly one.
+
+    Example:
+        >>> plan_buckets(["a", "b", "c"], {"a": 5, "b": 3, "c": 4}, cap=8)
+        [['c', 'b'], ['a']]
+    """
+    cap = check_int("cap", cap)
+    buckets, size = [], 0
+    for key in reversed(list(keys)):
+        n = int(numels[key])
+        if not buckets or (cap and size + n > cap):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(key)
+        size += n
+    return buckets
+
+
+def cap_numel(cap_mb):
+    """``plan_buckets``' cap for ``bucket_cap_mb`` MB of float32 gradient: at least 1 element (0: no cap).
+
+    Example:
+        >>> cap_numel(25.0), cap_numel(1e-9), cap_numel(0)
+        (6553600, 1, 0)
+    """
+    return max(1, int(cap_mb * 2 ** 20) // 4) if cap_mb > 0 else 0
+
+
+def wire_kind(dtype, values):
+    """The codec kind of an accumulator of ``dtype`` under the ``values`` setting ('bf16', 'fp16', 'fp32').
+
+    Example:
+        >>> wire_kind(torch.float32, "bf16"), wire_kind(torch.float64, "bf16"), wire_kind(torch.float16, "bf16")
+        ('bf16', 'fp64', 'fp16')
+    """
+    check_choice("values", values, VALUE_KINDS)
+    if dtype == torch.float64:
+        return "fp64"
+    if dtype == torch.float32 or values == "fp32":
+        return values
+    return "bf16" if dtype == torch.bfloat16 else "fp16"
+
+
+def wire_dtype(kind):
+    """The dtype ``codec.pack`` takes the values of ``kind`` in."""
+    return torch.float64 if kind == "fp64" else torch.float32
+
+
+def signature(key, numel, lo, hi):
+    """An int32 fingerprint of a tensor's key, its size and a message's index range (identical on all ranks)."""
+    return zlib.crc32(repr((key, int(numel), int(lo), int(hi))).encode()) & 0x7FFF_FFFF
+
+
+def flag_of(values, finite):
+    """A frame's flag: the largest |value| of ``values`` (capped to float32's largest), or inf if not finite."""
+    if not finite:
+        return float("inf")
+    return min(float(values.abs().max()), _FLOAT32_MAX) if values.numel() else 0.0
+
+
+def frame(sig, flag, message):
+    """uint8: the 8-byte frame (int32 ``sig``, float32 ``flag``) followed by the codec ``message``."""
+    head = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+    head[:4].view(torch.int32)[0] = sig
+    head[4:].view(torch.float32)[0] = flag
+    return torch.cat([head, message])
+
+
+def read_frames(buf, spans):
+    """The frames at the front of ``buf``, one per span: ([(sig, flag, message)], bytes read).
+
+    Raises ValueError where ``buf`` ends before its frames do."""
+    frames, at = [], 0
+    for span in spans:
+        if at + FRAME_BYTES > buf.numel():
+            raise ValueError(f"buf ends inside frame {len(frames)}: {buf.numel()} bytes")
+        head = buf[at:at + FRAME_BYTES].clone()
+        size = message_nbytes(buf[at + FRAME_BYTES:], span)
+        end = at + FRAME_BYTES + size
+        if end > buf.numel():
+            raise ValueError(f"buf ends inside frame {len(frames)}: {buf.numel()} bytes, it needs {end}")
+        frames.append((int(head[:4].view(torch.int32)[0]), float(head[4:].view(torch.float32)[0]),
+                       buf[at + FRAME_BYTES:end]))
+        at = end
+    return frames, at
