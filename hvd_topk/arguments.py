@@ -17,7 +17,7 @@ from .core.validate import check_choice, check_int, check_number
 
 __all__ = ["check_topk_settings", "check_lowrank_settings", "check_lowrank_use", "topk_only_settings",
            "check_optimizer_settings", "check_hierarchical", "check_optimizer", "check_groups",
-           "STOCK_COMMUNICATIONS", "COMMUNICATIONS", "COMPRESSES", "LEADERS", "SELECTIONS"]
+           "STOCK_COMMUNICATIONS", "COMMUNICATIONS", "COMPRESSES", "LEADERS", "SELECTIONS", "VALUES"]
 
 STOCK_COMMUNICATIONS = ("split_reduce", "hierarchical", "allgather", "artopk", "dense")     # TopKEF's
 COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto", "lowrank")  # optimizer's
@@ -26,6 +26,7 @@ PIN_TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather", "lowrank")    
 COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
+VALUES = ("bf16", "fp16", "fp32")          # TopKSettings.values: hvd_topk.core.codec's kinds of float32 values
 
 
 def check_topk_settings(settings):
@@ -35,7 +36,10 @@ def check_topk_settings(settings):
             "min_numel": check_int("min_numel", settings.min_numel),
             "communication": check_choice("communication", settings.communication, STOCK_COMMUNICATIONS),
             "budget": check_number("budget", settings.budget, low=1, what="(multiple of k kept by split_reduce)"),
-            "sync_indices": bool(settings.sync_indices)}
+            "sync_indices": bool(settings.sync_indices),
+            "values": check_choice("values", settings.values, VALUES),
+            "bucket_cap_mb": check_number("bucket_cap_mb", settings.bucket_cap_mb, low=0,
+                                          what="(MB of float32 gradient per bucket; 0: one bucket)")}
 
 
 def check_lowrank_settings(settings):

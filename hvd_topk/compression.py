@@ -29,20 +29,16 @@ Sparse gradients (``nn.Embedding(sparse=True)``) that Horovod sends with its own
 (``sparse_as_dense=False``) pass through untouched; with ``sparse_as_dense=True`` Horovod hands
 ``compress`` the densified gradient, which is compressed like any other.
 """
-import contextlib
 import itertools
-import threading
 from typing import Hashable, NamedTuple, Optional
 
 import torch
 from horovod.torch import mpi_ops
-from horovod.torch.compression import Compressor
 
 from .arguments import STOCK_COMMUNICATIONS, check_hierarchical
 from .settings import TopKSettings
-from .step.compressor_transports import CompressorTransports
-from .step.gradient_keys import ParameterKeys, SlotSequence
-from .core.memory import ResidualMemory, StepCommits
+from .step.compressor_door import ClassOrInstance, CompressorDoor
+from .step.compressor_transports import CompressorTransports, load_transports_state, transports_state
 from .core.sparsify import k_for, sq_norm_finite
 
 __all__ = ["TopKEF", "STOCK_COMMUNICATIONS"]
@@ -62,64 +58,13 @@ class _Ctx(NamedTuple):
     acc: Optional[torch.Tensor] = None         # the accumulator: with its sent entries zeroed, the residual
 
 
-class _ClassOrInstance:
-    """Binds a method to the class's default instance when called on the class itself.
-
-    Horovod calls ``compression.compress(tensor)``; with ``compression=TopKEF`` that is a call on the
-    class, which then uses one shared default instance (ratio 0.01)."""
-
-    def __init__(self, fn):
-        self._fn = fn
-        self.__doc__ = fn.__doc__
-
-    def __get__(self, obj, cls):
-        return self._fn.__get__(cls.default() if obj is None else obj, cls)
-
-
-SHUTDOWN_GRACE_S = 15.0       # time the other ranks get to reach the same check and raise it themselves
-
-
-@contextlib.contextmanager
-def _ends_job_on_mismatch():
-    """A check of this rank's gradient sequence failed (ValueError). Where the other ranks fail the
-    same check, each raises it; a rank that does not may be waiting in a collective this rank will
-    never join. So Horovod is shut down SHUTDOWN_GRACE_S seconds after the error is raised: that
-    rank's collective then fails too, and the job ends instead of hanging. (Alone, no rank waits.)"""
-    try:
-        yield
-    except ValueError:
-        if mpi_ops.size() == 1:
-            raise
-        timer = threading.Timer(SHUTDOWN_GRACE_S, mpi_ops.shutdown)
-        timer.daemon = True
-        timer.start()
-        raise
-
-
-class _PendingStep(StepCommits):
-    """One Horovod step's new residuals (``StepCommits``); if some gradient was non-finite on some rank,
-    every gradient of the step is handed out all NaN."""
-
-    def __init__(self):
-        super().__init__()
-        self.outputs = []                     # the step's decompressed gradients, as handed to Horovod
-
-    def hand_out(self, out, finite, like, shape):
-        if not finite and not self.nonfinite:
-            self.nonfinite = True
-            for earlier in self.outputs:      # Horovod set_() them into p.grad: NaN them there
-                earlier.fill_(float("nan"))
-        if self.nonfinite:
-            out = torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
-        self.outputs.append(out)
-        return out
-
-
-class TopKEF(Compressor):
+class TopKEF(CompressorDoor):
     """Top-K sparsification with per-rank error feedback, for stock ``hvd.DistributedOptimizer``.
 
     Per gradient and rank: ``acc = grad + residual``; the transport sends k = max(1, ceil(ratio *
-    numel)) entries of ``acc``; ``residual = acc`` with the entries that left this rank zeroed.
+    numel)) entries of ``acc``; ``residual = acc`` with the entries that left this rank zeroed (with
+    16-bit values: with their rounding left). The keys, the NaN rule and the class form are
+    ``hvd_topk.step.compressor_door``'s.
     Tensors with fewer than ``min_numel`` elements, and non-floating tensors, go unchanged.
 
     Making one only checks and keeps its settings (``comp.settings``, a ``TopKSettings``; the class's are
@@ -137,6 +82,11 @@ class TopKEF(Compressor):
         process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
         budget: split_reduce keeps the largest ``budget * k`` summed entries (>= 1): room where the ranks'
             top-k sets disagree (non-IID data).
+        values: ``'bf16'`` (default), ``'fp16'`` or ``'fp32'``: how split_reduce and allgather send float32
+            values (about 4 bytes per kept entry in 16 bits; ``'fp32'`` keeps them exact); the rounding
+            stays in the residual.
+        bucket_cap_mb: split_reduce and allgather send the tensors in buckets of at most this many MB of
+            float32 gradient, each as soon as its gradients are ready (from the second step); 0: one bucket.
 
     Example:
         >>> import horovod.torch as hvd, torch
@@ -154,84 +104,60 @@ class TopKEF(Compressor):
     settings = TopKSettings()        # the class's own: what ``compression=TopKEF`` means
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
-                 process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0):
-        self.settings = TopKSettings(ratio, min_numel, communication, budget, sync_indices)
-        check_hierarchical(self.settings.communication, process_set)
-        self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
-        self.memory, self._step = ResidualMemory(), _PendingStep()     # key -> residual; this step's candidates
-        self.transports = CompressorTransports(self.settings, tag=f"hvd_topk.TopKEF{next(TopKEF._instances)}",
+                 process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0, values="bf16",
+                 bucket_cap_mb=25.0):
+        settings = TopKSettings(ratio, min_numel, communication, budget, sync_indices, values, bucket_cap_mb)
+        check_hierarchical(settings.communication, process_set)
+        super().__init__(settings, named_parameters, process_set)
+        self.transports = CompressorTransports(settings, tag=f"hvd_topk.TopKEF{next(TopKEF._instances)}",
                                                key_index=self.keys.key_index, process_set=process_set,
                                                mismatch_hint=_MISMATCH_HINT if named_parameters is None else "")
 
-    @classmethod
-    def default(cls):
-        """The instance used when the class itself is passed as ``compression=``."""
-        if "_default_instance" not in cls.__dict__:
-            cls._default_instance = cls()
-        return cls._default_instance
-
-    @_ClassOrInstance
-    def compress(self, tensor):
-        """Horovod contract: ``(tensor_to_allreduce, ctx)``: the token, ``[k values..., flag]`` (+ the
-        token in a tensor's first step) or the gradient itself (module docstring)."""
-        with _ends_job_on_mismatch():
-            out = self._compress(tensor)
-        if self.keys.step_complete():
-            self.transports.flush()            # the step's last gradient
-        return out
-
     def _compress(self, tensor):
+        """``(tensor_to_allreduce, ctx)``: the token, ``[k values..., flag]`` (+ the token in a tensor's
+        first step) or the gradient itself (module docstring)."""
         if not tensor.is_floating_point():
             return tensor, _Ctx(dense=True)
-        key = self.keys.next_key(tensor)
-        if getattr(self.keys, "interrupted", False):
-            # The abandoned step's candidates are dropped, and so is what the transports shared: the
-            # failure may have stopped each rank at another point of that step.
-            self._step, self.keys.interrupted = _PendingStep(), False
-            self.transports.forget()
+        key = self._next_key(tensor)
         self.transports.before_gradient()
         if tensor.numel() < self.settings.min_numel:
+            self.transports.stats.add_sent(tensor.numel() * tensor.element_size(), 0.0, 0.0, dense=True)
             return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
         acc = self.memory.compensate(key, tensor)
-        k = k_for(acc.numel(), self.settings.ratio)
-        buf, started, indices = self.transports.send(key, acc, k, sq_norm_finite(acc)[1], tensor)
+        acc_sq, finite = sq_norm_finite(acc)
+        buf, started, indices = self.transports.send(key, acc, k_for(acc.numel(), self.settings.ratio), finite,
+                                                     tensor, acc_sq=acc_sq)
         return buf, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started, indices=indices, acc=acc)
 
-    @_ClassOrInstance
-    def decompress(self, tensor, ctx):
-        """Horovod contract: the dense aggregated gradient. The step's residuals are committed when
-        its last gradient is decompressed, and only if every gradient was finite on every rank."""
-        if ctx is None or (ctx.dense and ctx.key is None):
-            return tensor        # Horovod's sparse allreduce (ctx None), or non-floating: not of the step
-        # The checks raise only on the ranks that see the mismatch (the token's: only the optimizer's
-        # process set); the shutdown ends any rank left waiting for them.
-        with _ends_job_on_mismatch():
-            self.keys.finish_one()
-            received = None if ctx.dense else self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started,
-                                                                      ctx.indices, ctx.acc)
-        if ctx.dense:
-            out = tensor
-            finite = sq_norm_finite(tensor.reshape(-1))[1]     # the sum: identical on all ranks
-        else:
-            out, residual = received
-            finite = out is not None
-            if finite:
-                out = out.reshape(ctx.shape)
-            self._step.add(lambda key=ctx.key, residual=residual: self.memory.update(key, residual))
-        out = self._step.hand_out(out, finite, tensor, ctx.shape)
-        if self.keys.pending == 0:             # Horovod compresses all before it decompresses any
-            self.transports.flush()            # unless the last compress did (not in the first step)
-            self._step.end()
-        return out
+    def _receive(self, tensor, ctx):
+        return self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started, ctx.indices, ctx.acc)
+
+    def _forget(self):
+        self.transports.forget()
+
+    def _after_compress(self):
+        if self.keys.step_complete():
+            self.transports.flush()            # the step's last gradient: AR-Topk's index sets leave
+
+    def _end_step(self):
+        self.transports.flush()                # unless the last compress did (not in the first step)
+        super()._end_step()
+        self.transports.end_step(self.keys.registration_order(), self.settings.bucket_cap_mb)
+
+    @ClassOrInstance
+    def stats(self):
+        """Figures of the last step this TopKEF decompressed (``hvd_topk.step.stats.StepStats``: bytes, the
+        compression gain, where the step's time went), its residual norm and ratio."""
+        return dict(self.transports.stats.last(), residual_norm=self.memory.norm(), ratio=self.settings.ratio)
 
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
         return {"ratio": self.settings.ratio, "communication": self.settings.communication,
                 "signatures": list(getattr(self.keys, "signatures", [])),
-                "residuals": self.memory.state_dict(), **self.transports.state_dict()}
+                "residuals": self.memory.state_dict(), **transports_state(self.transports)}
 
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on this rank."""
         self.keys.restore(state["signatures"])
         self.memory.load_state_dict(state["residuals"])
-        self.transports.load_state_dict(state)
+        load_transports_state(self.transports, state)

@@ -16,7 +16,7 @@ from horovod.torch.optimizer import _DistributedOptimizer
 from .arguments import check_lowrank_use, check_optimizer, topk_only_settings
 from .auto import DEFAULT_WEIGHT, tuner_for
 from .compression import TopKEF
-from .settings import PowerSGDSettings, TopKSettings, with_old_keywords
+from .settings import PowerSGDSettings, TopKSettings, with_old_keywords, with_value_dtype
 from .step import elastic
 from .step.bucket import GLOBAL_KEY, GlobalBucket
 from .step.coordinator import StepConfig, StepCoordinator, StepUnits
@@ -86,7 +86,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     check_lowrank_use(settings, communication, chosen.kind)
     # the other kind at its defaults: auto and pins may send a tensor with either
     lowrank = chosen if chosen.kind == "lowrank" else PowerSGDSettings()
-    topk = TopKSettings() if chosen.kind == "lowrank" else chosen
+    topk = TopKSettings() if chosen.kind == "lowrank" else with_value_dtype(chosen, settings.value_dtype)
     check_optimizer(optimizer=optimizer, settings=settings, communication=communication,
                     backward_passes_per_step=backward_passes_per_step, op=op,
                     gradient_predivide_factor=gradient_predivide_factor, groups=groups, process_set=process_set,
@@ -98,7 +98,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     config = StepConfig(communication=communication, selection=settings.selection, compress=settings.compress,
                         local_momentum=settings.local_momentum,
                         min_numel=0 if chosen.kind == "lowrank" else topk.min_numel,   # low rank: its twofold rule
-                        clip_grad_norm=settings.clip_grad_norm, grad_scaler=grad_scaler, pin=settings.pin)
+                        clip_grad_norm=settings.clip_grad_norm, grad_scaler=grad_scaler,
+                        bucket_cap_mb=topk.bucket_cap_mb, pin=settings.pin)
     state = _build(config, (chosen, topk if chosen is lowrank else lowrank), settings,
                    shapes={n: tuple(q.shape) for n, q in named_parameters}, tuner=tuner,
                    reduction=Reduction.of(op, gradient_predivide_factor), process_set=process_set)

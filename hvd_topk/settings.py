@@ -22,7 +22,8 @@ import torch
 
 from .arguments import check_lowrank_settings, check_optimizer_settings, check_topk_settings
 
-__all__ = ["CompressorSettings", "TopKSettings", "PowerSGDSettings", "OptimizerSettings", "with_old_keywords"]
+__all__ = ["CompressorSettings", "TopKSettings", "PowerSGDSettings", "OptimizerSettings", "with_old_keywords",
+           "with_value_dtype"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class TopKSettings(CompressorSettings):
         communication: the transport, one of ``hvd_topk.arguments.STOCK_COMMUNICATIONS``.
         budget: split_reduce keeps the largest ``budget * k`` summed entries, >= 1.
         sync_indices: artopk: share the current step's index set by a blocking broadcast.
+        values: how split_reduce and allgather send float32 values: ``'bf16'`` (default), ``'fp16'`` (with a
+            power-of-two scale per message, so nothing overflows) or ``'fp32'`` (exact; the 8-byte-entry
+            results bit for bit). The rounding stays in the residual (``hvd_topk.core.codec``).
+        bucket_cap_mb: split_reduce and allgather send their tensors in buckets of at most this many MB of
+            float32 gradient (reverse registration order, as DDP), one collective per bucket and phase,
+            each bucket leaving once its gradients are ready; > 0, or 0 for one bucket per step.
 
     Example:
         >>> TopKSettings(ratio=0.001).min_numel
@@ -52,6 +59,8 @@ class TopKSettings(CompressorSettings):
     communication: str = "split_reduce"
     budget: float = 1.0
     sync_indices: bool = False
+    values: str = "bf16"
+    bucket_cap_mb: float = 25.0
 
     def __post_init__(self):
         for name, value in check_topk_settings(self).items():
@@ -105,7 +114,9 @@ class OptimizerSettings:
         compress: ``'gradient'`` or ``'update'`` (error feedback on every rank's own optimizer update).
         local_momentum: with ``compress='update'``, False steps the optimizer without its momentum.
         leader: AR-Topk's leader, ``'star'`` (round robin) or ``'var'`` (largest accumulators).
-        value_dtype: floating dtype of the values on the wire, or None (the gradient's).
+        value_dtype: deprecated: ``TopKEF(values=...)`` says how split_reduce and allgather send values
+            (float16 here means ``values='fp16'``, bfloat16 ``'bf16'``, float32 ``'fp32'``); artopk's and the
+            dense allreduces' values still go in this dtype. None: the defaults.
         adaptive_ratio: None/False, True or (low, high): the ratio moves among candidates (``hvd_topk.auto``).
         adaptive_weight: exponent of the gain in the adaptive ratio's objective, >= 0; None: 0.3 (measured).
         auto_every: steps between the automatic checks, int >= 2.
@@ -164,3 +175,23 @@ def with_old_keywords(settings, keywords):
         warnings.warn(f"hvd_topk.DistributedOptimizer({name}=...) is deprecated: pass "
                       f"settings=hvd_topk.OptimizerSettings({name}=...)", DeprecationWarning, stacklevel=3)
     return dataclasses.replace(settings, **keywords) if keywords else settings
+
+
+def with_value_dtype(topk, value_dtype):
+    """``topk`` (``TopKSettings``) with its ``values`` spelt by the deprecated ``OptimizerSettings.value_dtype``
+    (a DeprecationWarning naming the new spelling); unchanged for None.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     with_value_dtype(TopKSettings(), torch.float16).values
+        'fp16'
+    """
+    if value_dtype is None:
+        return topk
+    values = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(value_dtype, "fp32")
+    warnings.warn(f"hvd_topk.OptimizerSettings(value_dtype={value_dtype}) is deprecated: pass "
+                  f"compression=hvd_topk.TopKEF(values={values!r}) (artopk's and the dense allreduces' values "
+                  "still go in value_dtype)", DeprecationWarning, stacklevel=3)
+    return dataclasses.replace(topk, values=values)

@@ -28,10 +28,12 @@ import torch
 from horovod.torch import mpi_ops
 
 from .op_token import TOKEN_SIZE, OpToken
+from .stats import StepStats
+from .fused_plan import FusedPlan
 from ..transports import ARTopk
 from ..transports.build import build_transports
 
-__all__ = ["CompressorTransports"]
+__all__ = ["CompressorTransports", "transports_state", "load_transports_state"]
 
 OWN = ("split_reduce", "allgather", "hierarchical")     # the transports that start their own collectives
 
@@ -58,15 +60,19 @@ class CompressorTransports:
         self.token = OpToken(process_set, mismatch_hint=mismatch_hint)
         self._stack, self._own = None, None   # build_transports' stack, and its OWN transports
         self._restored = None                 # the index sets and regions loaded before the stack was built
+        self.stats = StepStats()              # TopKEF.stats()
+        self.sent_numels = {}                 # key -> numel of what went through a fused transport this step
+        self.planned = False                  # the fused transports have their buckets (after the first step)
+        self.fused = FusedPlan(lambda: self.own.values())
 
     def _built(self):
         if self._stack is None:
             self._stack = build_transports(self.settings, tag=self.tag, key_index=self.key_index,
                                            process_set=self.process_set, mismatch_hint=self.mismatch_hint,
-                                           on_leaders_differ=lambda: self.steps.clear())
+                                           on_leaders_differ=lambda: self.steps.clear(), stats=self.stats)
             self._own = {name: t for name, t in self._stack.transports.items() if name in OWN}
             if self._restored is not None:
-                self._load_shared(self._restored)
+                _load_shared(self, self._restored)
                 self._restored = None
         return self._stack
 
@@ -90,11 +96,20 @@ class CompressorTransports:
         if self.communication == "artopk":
             self.index_sets.flush()
 
-    def send(self, key, acc, k, finite, grad):
+    def send(self, key, acc, k, finite, grad, acc_sq=0.0):
         """(tensor for Horovod's allreduce, transport in flight or None, artopk's index set or None).
         artopk zeroes the sent entries of ``acc`` at once: ``acc`` is then the candidate residual."""
+        with self.stats.selecting():
+            buf, started, indices = self._send(key, acc, k, finite, grad)
+        self.stats.add_sent(buf.numel() * buf.element_size() + (started.nbytes if started else 0),
+                            started.sent_sq if started else 0.0, acc_sq, dense=not (started or indices is not None))
+        self.fused.advance()
+        return buf, started, indices
+
+    def _send(self, key, acc, k, finite, grad):
         if self.communication in self.own and k < acc.numel():
             started = self.own[self.communication].start(key, acc, k, finite)
+            self.sent_numels[key] = acc.numel()
             return self.token.make(key, grad), started, None
         step = self.steps.get(key, 0)
         self.steps[key] = step + 1
@@ -110,6 +125,7 @@ class CompressorTransports:
 
     def receive(self, reduced, key, shape, started, indices, acc):
         """(flat aggregate, or None if some rank was non-finite; candidate residual or None)."""
+        self.stats.syncing()
         if started is None:
             numel = math.prod(shape)
             if reduced.numel() == (numel if indices is None else indices.numel()) + 1 + TOKEN_SIZE:
@@ -125,6 +141,16 @@ class CompressorTransports:
             return outcome.aggregate, outcome.residual
         return outcome.aggregate, None if outcome.sent is None else acc.index_fill_(0, outcome.sent, 0)
 
+    def end_step(self, keys, cap_mb):
+        """The step's last gradient was decompressed: its figures close; after the first step, the keys it
+        sent through a fused transport get their buckets (``keys``: every key in registration order; until
+        then each key travels alone)."""
+        self.stats.end_step(density=self.settings.ratio)
+        if not self.planned and self.sent_numels:
+            self.planned = True
+            self.fused.plan(keys, self.sent_numels, cap_mb)
+        self.sent_numels = {}
+
     def forget(self):
         """An abandoned step (elastic reset): only an empty start is the same on every rank."""
         self.artopk.forget()
@@ -132,24 +158,30 @@ class CompressorTransports:
             transport.forget()
         self.steps.clear()
 
-    def state_dict(self):
-        if self._stack is None:               # nothing to build (or resolve) for it
-            shared = copy.deepcopy(self._restored or {"next_indices": {}, "regions": None})
-        else:
-            shared = {"next_indices": self.index_sets.state_dict(),
-                      "regions": self.own["split_reduce"].regions.state_dict()}
-        return {"steps": dict(self.steps), **shared}
 
-    def load_state_dict(self, state):
-        self.steps = dict(state["steps"])
-        self.unchecked = set(self.steps)
-        shared = {"next_indices": state["next_indices"], "regions": state.get("regions")}
-        if self._stack is None:
-            self._restored = copy.deepcopy(shared)
-        else:
-            self._load_shared(shared)
+def transports_state(transports):
+    """What of a ``CompressorTransports`` a checkpoint keeps (``TopKEF.state_dict``): artopk's step counters,
+    its next index sets and split_reduce's regions, or those loaded before its stack was built."""
+    if transports._stack is None:             # nothing to build (or resolve) for it
+        shared = copy.deepcopy(transports._restored or {"next_indices": {}, "regions": None})
+    else:
+        shared = {"next_indices": transports.index_sets.state_dict(),
+                  "regions": transports.own["split_reduce"].regions.state_dict()}
+    return {"steps": dict(transports.steps), **shared}
 
-    def _load_shared(self, shared):
-        self.index_sets.load_state_dict(shared["next_indices"])
-        self.own["split_reduce"].forget()
-        self.own["split_reduce"].regions.load_state_dict(shared["regions"])
+
+def load_transports_state(transports, state):
+    """Restore ``transports_state``'s ``state`` into ``transports`` (``TopKEF.load_state_dict``)."""
+    transports.steps = dict(state["steps"])
+    transports.unchecked = set(transports.steps)
+    shared = {"next_indices": state["next_indices"], "regions": state.get("regions")}
+    if transports._stack is None:
+        transports._restored = copy.deepcopy(shared)
+    else:
+        _load_shared(transports, shared)
+
+
+def _load_shared(transports, shared):
+    transports.index_sets.load_state_dict(shared["next_indices"])
+    transports.own["split_reduce"].forget()
+    transports.own["split_reduce"].regions.load_state_dict(shared["regions"])

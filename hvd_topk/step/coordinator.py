@@ -20,6 +20,8 @@ import torch
 
 from .bucket import GLOBAL_KEY
 from .dgc import clip_local
+from .fused_plan import FusedPlan
+from .routing import route
 from ..core.memory import StepCommits
 from ..core.sparsify import sq_norm_finite
 
@@ -35,6 +37,7 @@ class StepConfig(NamedTuple):
     min_numel: int                        # smaller tensors are never compressed
     clip_grad_norm: Optional[float]       # DGC local clipping, or None
     grad_scaler: object                   # torch.amp.GradScaler in use, or None
+    bucket_cap_mb: float = 25.0           # split_reduce's and allgather's buckets (TopKSettings)
     pin: Optional[dict] = None            # name -> the transport it always takes (OptimizerSettings.pin)
 
 
@@ -64,6 +67,8 @@ class StepCoordinator:
         self.commits = StepCommits()          # state updates of this step, applied if it is finite
         self.sent_keys = set()                # sparse keys submitted this step (layer-wise selection)
         self.last_end = None                  # clock() at the end of the previous step
+        self.routed = False                   # this step's keys were told to the fused transports
+        self.fused = FusedPlan(lambda: self.transports.values())
 
     # what the tuner reads (``AutoTuner.end_step``)
     ratio = property(lambda self: self.schedule.ratio)
@@ -89,11 +94,13 @@ class StepCoordinator:
         if not self.is_sparse(p):
             started = self.transports["plain"].start(name, g)
             self.stats.add_sent(started.nbytes, 0.0, 0.0, dense=True)
+            self.fused.advance()
             return lambda: self.hand_out(name, p, started.finish().aggregate, None, u_new)
         if self.selection == "global":
             self.bucket.add(name, p, g, u_new)
             return lambda: self.hand_out(name, *self.bucket.output(name, self._send_bucket))
-        pending = self._start(name, g)
+        with self.stats.selecting():          # accumulate + select (packing apart)
+            pending = self._start(name, g)
         self.sent_keys.add(name)
         if len(self.sent_keys) == len(self.sparse_numels):
             self.index_sets.flush()           # the step's last compressed tensor (step 2)
@@ -101,15 +108,13 @@ class StepCoordinator:
 
     def _start(self, key, g):
         """Start sending the flat accumulator acc = g + residual of ``key``; returns (acc, finish)."""
-        t0 = time.perf_counter()
+        if not self.routed:                   # the step's first start: the fused transports' keys
+            self.routed = True
+            self.fused.expect({name: self.transports[route(self, name, n)[0]]
+                               for name, n in self.sparse_numels.items()})
         n = g.numel()
-        k, k_next = self.schedule.k(n, self.step), self.schedule.k(n, self.step + 1)
-        mode = self.communication if self.tuner is None else self.tuner.mode(key, self.communication)
-        mode = (self.pin or {}).get(key, mode)
-        gains = self.tuner is not None and self.tuner.wants_gains(self.step)
-        if mode == "dense":                   # auto's dense plan: everything, the residual is flushed
-            k = n
-        if k == n and not gains:              # density 1 (dense steps, ratio 1.0, auto's dense plan)
+        mode, k, k_next, gains = route(self, key, n)
+        if mode == "dense":
             acc = self.residuals.compensate(key, g, copy=False)
             started = self.transports["dense"].start(key, acc)
             self.stats.add_sent(started.nbytes, 0.0, 0.0, dense=True)
@@ -119,12 +124,8 @@ class StepCoordinator:
         self.leaders.observe(acc_sq if math.isfinite(acc_sq) else 0.0)
         if gains and finite:
             self.tuner.observe_acc(acc, key, k_next, g)
-        # a density-1 step that still feeds the gains goes as AR-Topk of everything (values + flag)
-        # every rank selects its own top-k (low rank: makes its own P)
-        own_topk = mode in ("allgather", "split_reduce", "hierarchical", "lowrank")
-        transport = self.transports[mode if own_topk and k < n else "artopk"]
-        started = transport.start(key, acc, k, finite, grad=g, step=self.step, k_next=k_next)
-        self.stats.add_sent(started.nbytes, started.sent_sq, acc_sq, select_s=time.perf_counter() - t0)
+        started = self.transports[mode].start(key, acc, k, finite, grad=g, step=self.step, k_next=k_next)
+        self.stats.add_sent(started.nbytes, started.sent_sq, acc_sq)
         return acc, started.finish
 
     def _finish(self, key, pending):
@@ -140,7 +141,9 @@ class StepCoordinator:
         return out.aggregate, out.sent if out.selected is None else out.selected
 
     def _send_bucket(self, flat):              # the global bucket's one tensor, at synchronize()
-        return self._finish(GLOBAL_KEY, self._start(GLOBAL_KEY, flat))
+        with self.stats.selecting():
+            pending = self._start(GLOBAL_KEY, flat)
+        return self._finish(GLOBAL_KEY, pending)
 
     def hand_out(self, name, p, aggregate, sent, u_new):
         """The aggregate as p's gradient (NaN everywhere if some rank was non-finite); queues the velocity."""
@@ -157,7 +160,7 @@ class StepCoordinator:
         """After every parameter is synchronized: commit the step if it was finite everywhere, advance
         it, let the tuner decide (collective) and VAR share its score. Returns True if non-finite."""
         self.index_sets.flush()               # the index sets, unless shared at the last submit
-        self.sent_keys = set()
+        self.sent_keys, self.routed = set(), False
         self.collectives.end_step()
         self.stats.skipped = nonfinite = self.commits.end()
         self.stats.end_step(density=self.schedule.density(self.step), comm_s=comm_s)

@@ -74,6 +74,10 @@ class ParameterKeys:
         """A checkpoint was loaded: the next compress starts a step (named keys need no signatures)."""
         self.keys, self.previous, self.pending, self.decompressing = [], None, 0, False
 
+    def registration_order(self):
+        """The keys in the order the model registered them (identical on every rank)."""
+        return list(self.params)
+
     def step_complete(self):
         """True once this step has compressed every key the last step did (its index sets can leave)."""
         return self.previous is not None and len(self.keys) == len(self.previous) and set(self.keys) == self.previous
@@ -167,6 +171,11 @@ class SlotSequence:
         self.position = self.pending = 0
         self.decompressing = False
         self.last, self.current, self.taken = {}, {}, set()
+
+    def registration_order(self):
+        """The slots from the last: slot 0 is the first gradient ready, the last registered (backward
+        runs from the last layer)."""
+        return list(reversed(range(len(self.signatures))))
 
     def step_complete(self):
         """True once this step has handed out every slot of the first step."""

@@ -36,6 +36,10 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
               if q.requires_grad and self._hvd_topk.is_sparse(q)}
     self._hvd_topk.sparse_numels = {GLOBAL_KEY: sum(sparse.values())} if \
         self._hvd_topk.selection == "global" and sparse else sparse
+    # buckets in registration order, identical on every rank (the same model registers alike)
+    state = self._hvd_topk
+    registered = [self._parameter_names.get(q) for group in self.param_groups for q in group["params"]]
+    state.fused.plan([GLOBAL_KEY] + registered, state.sparse_numels, state.bucket_cap_mb)
     if groups is not None:
         self._hvd_topk.collectives.set_groups(_key_groups(self, groups))
     if momentum_correction:
@@ -91,11 +95,14 @@ def _momentum_after_sum(state, p, name, wait):
 
 
 def _synchronize(self):
-    t0 = time.perf_counter()
+    times = self._hvd_topk.stats.times
+    t0, ours = time.perf_counter(), times["select"] + times["pack"]
     _DistributedOptimizer.synchronize(self)
     if self._hvd_topk.compress == "update" or not self.process_set.included():
         return                                 # nothing was sent: the gradients are this rank's own
-    if self._hvd_topk.end_step(comm_s=time.perf_counter() - t0):
+    # the communication's seconds: those of gradients first submitted here (unused ones, the global
+    # bucket) count as selection and packing
+    if self._hvd_topk.end_step(comm_s=time.perf_counter() - t0 - (times["select"] + times["pack"] - ours)):
         # Non-finite somewhere: every gradient of the step is NaN on every rank, so a loss scaler
         # (or the check in step()) skips the whole step, which the untouched residuals assume.
         for q in self._requires_update:
@@ -120,8 +127,11 @@ def _step(self, closure=None):
         warnings.warn("hvd_topk: a gradient was non-finite on some rank; the step is skipped on every "
                       "rank and residuals are unchanged")
         return None
+    t0 = time.perf_counter()
     with self._hvd_topk.momentum.hidden():
-        return super(self.__class__, self).step(closure)
+        out = super(self.__class__, self).step(closure)
+    self._hvd_topk.stats.add_time("optimizer", time.perf_counter() - t0)   # inside the next step's window
+    return out
 
 
 def _average_again(self):

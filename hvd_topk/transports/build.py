@@ -59,8 +59,9 @@ def build_transports(settings, *, tag, key_index, process_set=mpi_ops.global_pro
             (the optimizer), adding 'dense' and 'plain'; None: they sum, and Horovod's allreduce in
             ``TopKEF`` does the rest.
         leader: AR-Topk's leader, ``'star'`` or ``'var'``.
-        value_dtype: dtype of the values on the wire; None keeps the accumulator's.
-        stats: ``StepStats`` that split_reduce reports to, or None.
+        value_dtype: dtype of artopk's and the dense allreduces' values on the wire; None keeps the
+            accumulator's (split_reduce and allgather code theirs as ``settings.values`` says).
+        stats: ``StepStats`` that split_reduce and allgather report to, or None.
         mismatch_hint: what the errors say when the ranks keyed a gradient differently.
         on_leaders_differ: called when only AR-Topk's leaders differ between ranks (``IndexPipeline``).
         alongside: settings of the other kind, whose transports join the stack (the optimizer's), or None.
@@ -97,10 +98,11 @@ def _topk_stack(settings, *, tag, key_index, process_set, communication, reducti
     index_sets = IndexPipeline(f"{tag}.indices", sync=settings.sync_indices, mismatch_hint=mismatch_hint,
                                process_set=process_set, on_leaders_differ=on_leaders_differ)
     collectives = Collectives(f"{tag}.group", process_set=process_set)
-    split_reduce = SplitReduce(collectives, average, Regions(), f"{tag}.split", value_dtype, stats, mismatch_hint,
+    split_reduce = SplitReduce(collectives, average, Regions(), f"{tag}.split", settings.values, stats, mismatch_hint,
                                settings.budget)
     transports = {"artopk": ARTopk(index_sets, leaders, collectives, reduction, value_dtype),
-                  "allgather": SparseAllgather(collectives, average, value_dtype, name=f"{tag}.allgather"),
+                  "allgather": SparseAllgather(collectives, average, settings.values, name=f"{tag}.allgather",
+                                               stats=stats, mismatch_hint=mismatch_hint),
                   "split_reduce": split_reduce}
     if reduction is not None:
         transports["dense"] = Dense(collectives, reduction, value_dtype, name="values")
@@ -110,7 +112,7 @@ def _topk_stack(settings, *, tag, key_index, process_set, communication, reducti
         hosts = resolve(f"{tag}.hier.hosts", optional=communication == "auto")
         if hosts is not None:
             inner = SplitReduce(Collectives(f"{tag}.hier.group", process_set=hosts.cross), False, split_reduce.regions,
-                                f"{tag}.hier.split", value_dtype, stats, mismatch_hint, settings.budget)
+                                f"{tag}.hier.split", settings.values, stats, mismatch_hint, settings.budget)
             transports["hierarchical"] = Hierarchical(hosts, inner, average, f"{tag}.hier", collectives.start_pending)
         elif communication == "hierarchical":         # one host, or uneven hosts: the flat transport
             transports["hierarchical"] = split_reduce

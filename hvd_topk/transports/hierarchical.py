@@ -17,8 +17,10 @@ Error feedback per shard. A rank's residual is zero outside its shard, so the re
 ranks' accumulators (gradient + residual) adds exactly the owner's residual to the host's sum of the
 shard's gradients. After the step ``acc`` is rewritten to that shard accumulator, zero elsewhere, and
 ``sent`` names its entries the cross-host transport took: the caller's usual ``residual = acc with sent
-zeroed`` then holds, per shard, Σ sent + residual = Σ (host's gradients). The residual is stored as a
-full-length tensor (as every transport's), of which only the shard is non-zero.
+zeroed`` then holds, per shard, Σ sent + residual = Σ (host's gradients). Where the cross-host transport
+computes the shard's residual itself (16-bit values keep their rounding in it), that residual is the
+shard's part of this rank's. The residual is stored as a full-length tensor (as every transport's), of
+which only the shard is non-zero.
 
 Non-finite: a NaN/Inf in any rank's accumulator is in its shard's sum; the cross-host transport tells
 every rank of that cross set, and the flags of the host allgather tell every rank of the host, so
@@ -37,10 +39,24 @@ from horovod.torch import mpi_ops
 
 from .collectives import wait
 from ..core.sparsify import sq_norm_finite
+from ..core.wire import INDEX_BYTES
 from .base import Outcome, Started
-from .split_reduce import from_rows, to_rows
 
-__all__ = ["Hierarchical", "shard_of"]
+__all__ = ["Hierarchical", "shard_of", "to_rows", "from_rows"]
+
+
+def to_rows(values, indices):
+    """uint8 rows of (value bytes, int32 index bytes): one tensor, so one collective for both."""
+    v = values.contiguous().view(torch.uint8).reshape(values.numel(), -1)
+    i = indices.to(torch.int32).contiguous().view(torch.uint8).reshape(-1, INDEX_BYTES)
+    return torch.cat([v, i], dim=1)
+
+
+def from_rows(rows, dtype):
+    """(values in ``dtype``, int64 indices) of ``to_rows``' rows."""
+    width = rows.shape[1] - INDEX_BYTES
+    values = rows[:, :width].contiguous().view(dtype).reshape(-1)
+    return values, rows[:, width:].contiguous().view(torch.int32).reshape(-1).long()
 
 
 def shard_of(n, per_host, position, k):
@@ -134,9 +150,9 @@ class Hierarchical:
         ps = self.sets.host
         handles = (mpi_ops.allgather_async(rows, name=f"{self.name}.{key}.gather", process_set=ps),
                    mpi_ops.allgather_async(nominated, name=f"{self.name}.{key}.nominated", process_set=ps))
-        return handles, acc, own, start, out.sent
+        return handles, acc, own, start, out.sent, out.residual
 
-    def _assemble(self, handles, acc, own, start, sent):
+    def _assemble(self, handles, acc, own, start, sent, shard_residual):
         """Step 3's end: the aggregate (None if some rank was non-finite), what left from this rank's
         shard, and the host's nominated entries (where momentum correction masks). Every index comes
         from one shard's owner: copied, not summed, so the aggregate is the same bit for bit."""
@@ -153,6 +169,7 @@ class Hierarchical:
             aggregate.mul_(1.0 / (self.sets.per_host * self.sets.hosts))
         # acc becomes the shard's accumulator, zero elsewhere: the caller zeroes ``sent`` in it
         acc.zero_()
-        acc[start:start + own.numel()] = own
+        acc[start:start + own.numel()] = own if shard_residual is None else shard_residual.to(acc.device)
         sent = None if sent is None else sent.to(acc.device) + start
-        return Outcome(aggregate, sent, nominated[nominated != n].to(acc.device))
+        return Outcome(aggregate, sent, nominated[nominated != n].to(acc.device),
+                       None if shard_residual is None else acc)

@@ -1,231 +1,116 @@
 """Split-and-reduce: Ok-Topk's sparse allreduce (Li & Hoefler, PPoPP'22) on Horovod's alltoall and allgather.
 
-1. Every rank takes the top-k of its accumulator and sends each entry as a row (value, int32 index) to
-   the owner of the index's region (``hvd_topk.transports.regions``), all in one alltoall, started at once. With
-   them goes one row per owner holding the rank's largest |value|, or inf if its accumulator is not
-   finite: every owner learns every rank's, so every rank takes the same skip decision and the same
-   histogram scale.
-2. Each owner sums the rows it received per index: the candidates of its region.
-3. One allreduce of a histogram of the candidates' magnitudes (log scale, below the largest possible
-   sum) gives every rank the global counts. Each owner keeps its candidates of the bins above the one
-   where the count reaches k, and from that bin a share proportional to its own count there: at most
-   k kept in all (at least k - P + 1 when there are k candidates), and exactly the global top-k of the
-   candidates unless two of them lie within one bin's width (2**(1/4)) around the k-th.
-4. One allgather of the kept rows gives every rank the same aggregate. Each index comes from a single
-   owner, so it is copied, not summed: the aggregate is identical bit for bit on every rank.
+Every rank takes the top-k of its accumulator. The tensors of a bucket (``hvd_topk.transports.fused``)
+travel together, one collective per phase; each tensor's entries for one destination are one frame
+(``hvd_topk.core.buckets``: its signature and flag) and one codec message (``hvd_topk.core.codec``:
+about 4 bytes per entry with 16-bit values).
 
-Steps 2-4 run for all of an optimizer's split_reduce tensors together, in key order, at the first
-``finish`` of the step: each adds collectives, and ranks that added them in different orders would
-wait for each other forever (Horovod's ``synchronize`` finishes tensors in hook order, which differs
-between ranks).
+From 3 ranks on, three phases per bucket:
 
-Error feedback stays exact per rank: ``sent`` is this rank's top-k entries that their owner kept; an
-entry it sent that was not kept stays in its residual, so Σ sent + residual = Σ grad holds.
-Bytes per rank: about 2k(P-1)/P rows and a 520-byte histogram, flat in P (allgather: (P-1)k rows).
+1. One alltoall: each entry goes to the owner of its index's region (``hvd_topk.transports.regions``).
+   Every owner gets a frame of every tensor from every rank, so it learns every rank's flag (its largest
+   |value|, or inf if its accumulator was not finite): every rank takes the same skip decision and the
+   same histogram scale.
+2. Each owner sums what it received per index (the candidates of its region), and one allreduce of
+   the tensors' histograms of the candidates' magnitudes (log scale, below the largest possible sum)
+   gives every rank the global counts. Each owner keeps its candidates of the bins above the one where
+   the count reaches k, and from that bin a share proportional to its own count there: at most k kept
+   in all, and exactly the global top-k of the candidates unless two lie within one bin (2**(1/4)) of
+   the k-th. The rows of the histograms also carry each owner's count of frames it could not match
+   (another key, size or region): then every rank raises.
+3. One allgather of the owners' kept sums, coded again: every rank copies each index from its single
+   owner, so the aggregate is identical bit for bit everywhere.
+
+With 1 or 2 ranks one phase serves: an allgather of every rank's frames, after which every rank sums
+the candidates and keeps the largest ``budget * k`` exactly, on the same numbers in the same order. It
+sends what the three phases would at 2 ranks (k entries per rank) in one round trip instead of three.
+
+Error feedback: ``sent`` is this rank's entries that were kept. With 16-bit values the residual keeps
+``acc - decoded`` at those entries, and each owner also keeps the rounding of its coded sums
+(``sum - decoded sum``) at the indices it kept: over the ranks Σ sent + Σ residuals = Σ grads, up to
+float32's rounding of the sums (``hvd_topk.transports.base``, invariant 2). Lossless values ('fp32',
+float64 accumulators) zero the sent entries and round nothing but the sums, as 8-byte rows did.
 """
-import math
+import time
 
 import torch
-from horovod.torch import mpi_ops
 
-from .collectives import wait
-from .regions import Regions
+from ..core.buckets import flag_of, frame, signature, wire_dtype, wire_kind
+from ..core.codec import pack, sent_values
 from ..core.sparsify import sq_norm_finite, topk_indices
-from ..core.wire import HIST_BINS, HIST_BYTES, INDEX_BYTES
+from .allgather import LOSSLESS
 from .base import Outcome, Started
+from .fused import Buckets
+from .split_phases import HIST_BINS, gathered, histogram_row, magnitude_bins, owned, owners_share, sum_candidates
 
-__all__ = ["SplitReduce", "HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "senders_rows",
-           "rows_for_owners"]
-
-BINS_PER_OCTAVE = 4                    # magnitude resolution of the histogram: bins 2**(1/4) wide
-
-
-def to_rows(values, indices):
-    """uint8 rows of (value bytes, int32 index bytes): one tensor, so one collective per phase."""
-    v = values.contiguous().view(torch.uint8).reshape(values.numel(), -1)
-    i = indices.to(torch.int32).contiguous().view(torch.uint8).reshape(-1, INDEX_BYTES)
-    return torch.cat([v, i], dim=1)
-
-
-def from_rows(rows, dtype):
-    """(values in ``dtype``, int64 indices) of ``to_rows``' rows."""
-    width = rows.shape[1] - INDEX_BYTES
-    values = rows[:, :width].contiguous().view(dtype).reshape(-1)
-    return values, rows[:, width:].contiguous().view(torch.int32).reshape(-1).long()
-
-
-def magnitude_bins(sums, largest):
-    """The histogram bin of each summed candidate. Bin 0 holds magnitudes just below the largest
-    possible sum (P x the largest |value| any rank sent, ``largest`` holding each rank's)."""
-    top = math.log2(float(largest.max()) * largest.numel()) if float(largest.max()) > 0 else 0.0
-    bins = ((top - torch.log2(sums.abs().to(torch.float64))) * BINS_PER_OCTAVE).floor()
-    return bins.nan_to_num(HIST_BINS - 1).clamp(0, HIST_BINS - 1).long()
-
-
-def rows_for_owners(values, sel, largest, bounds, n):
-    """Step 1's alltoall input: (rows, int32 rows per owner). Every owner gets this sender's flag row
-    (``largest`` at index n) first, then its entries, in owner order."""
-    ranks = bounds.numel() - 1
-    owners = torch.cat([torch.arange(ranks, device=sel.device), Regions.owners(sel, bounds.to(sel.device))])
-    order = torch.argsort(owners, stable=True)
-    rows = to_rows(torch.cat([largest.reshape(1).expand(ranks), values])[order],
-                   torch.cat([sel.new_full((ranks,), n), sel])[order])
-    return rows, torch.bincount(owners, minlength=ranks).to(torch.int32).cpu()
-
-
-def senders_rows(rows, received, numel, dtype):
-    """What an owner received in step 1: (values, indices) of the entries, every sender's flag value (its
-    largest |value|, or inf) as float64, and how many senders' tensor sizes differ from ``numel``.
-    ``received``: rows per sender; every sender's block starts with its flag row, indexed by its numel."""
-    values, indices = from_rows(rows, dtype)
-    flags = torch.zeros(indices.numel(), dtype=torch.bool, device=indices.device)
-    flags[(torch.cumsum(received.long(), 0) - received.long()).to(indices.device)] = True
-    other_sizes = int((indices[flags] != numel).sum())
-    return values[~flags], indices[~flags], values[flags].to(torch.float64), other_sizes
-
-
-def histogram_row(counts, outside, other_sizes):
-    """Step 3's allreduced int32 row: the bins' counts, then this owner's count of rows outside its
-    region and of senders whose size differs from its own (``HIST_BYTES``, which the cost model prices)."""
-    return torch.cat([counts.cpu(), torch.tensor([outside, other_sizes])]).to(torch.int32)
-
-
-def owners_share(hist, counts, bins, sums, k):
-    """Which of this owner's candidates it keeps (step 3): those of the bins above the one where the
-    global count reaches k, and from that bin a share proportional to this owner's count there.
-
-    Args:
-        hist: the global count per bin (identical on every rank); counts: this owner's; bins: the bin
-            of each of its candidates; sums: their summed values; k: how many to keep in all.
-    """
-    cumulative = torch.cumsum(hist, 0)
-    if int(cumulative[-1]) <= k:
-        return torch.ones_like(bins, dtype=torch.bool)
-    cut = int(torch.searchsorted(cumulative, k))            # first bin where the count reaches k
-    above = int(cumulative[cut - 1]) if cut > 0 else 0
-    share = (k - above) * int(counts[cut]) // int(hist[cut])
-    keep = bins < cut
-    in_cut = (bins == cut).nonzero().reshape(-1)
-    if share > 0:
-        keep[in_cut[torch.topk(sums[in_cut].abs(), share).indices]] = True
-    return keep
+__all__ = ["SplitReduce", "HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "sum_candidates"]
 
 
 class SplitReduce:
-    """Split-and-reduce of each key's top-k (module docstring).
+    """Split-and-reduce of each key's top-k, one collective per bucket and phase (module docstring).
 
     Args:
-        collectives: the optimizer's ``Collectives`` (its process set; its pending groups are started
-            before this transport adds collectives).
+        collectives: the ``Collectives`` (its process set; its pending groups start before a wait).
         average: divide the sum by the number of ranks (Horovod's Average).
         regions: ``Regions``: the owner of every index.
         name: prefix of the collectives' names (distinct per optimizer, identical on all ranks).
-        value_dtype: dtype of the values on the wire; None keeps the accumulator's.
-        stats: ``StepStats`` that records rows kept and the regions' imbalance, or None.
-        mismatch_hint: what the error says to do when the ranks sent tensors of different sizes under
-            one key (``TopKEF`` without names: the ranks' orders differ).
+        values: 'bf16', 'fp16' or 'fp32': how float32 values go on the wire (``core.buckets.wire_kind``).
+        stats: ``StepStats`` that records phases, rows kept and the regions' imbalance, or None.
+        mismatch_hint: what the error says to do when the ranks sent other tensors under one key
+            (``TopKEF`` without names: the ranks' orders differ).
         budget: how many of the summed candidates are kept, as a multiple of k (>= 1).
     """
 
-    def __init__(self, collectives, average, regions, name, value_dtype=None, stats=None, mismatch_hint="",
-                 budget=1.0):
+    def __init__(self, collectives, average, regions, name, values="bf16", stats=None, mismatch_hint="", budget=1.0):
         self.collectives, self.average, self.regions = collectives, average, regions
-        self.name, self.value_dtype, self.stats = name, value_dtype, stats
+        self.name, self.values, self.stats = name, values, stats
         self.mismatch_hint, self.budget = mismatch_hint, budget
-        self.inflight = {}              # key -> phase 1 in flight (step 1)
-        self.outcomes = {}              # key -> Outcome, finished but not yet handed out
-
-    def start(self, key, acc, k, finite, grad=None, step=None, k_next=None):
-        ps = self.collectives.process_set
-        n, ranks = acc.numel(), ps.size()
-        bounds = self.regions.of(key, n, ranks)
-        sel = topk_indices(acc, k)
-        selected = acc.index_select(0, sel)
-        values = selected.to(self.value_dtype or acc.dtype)
-        largest = values.abs().max() if finite else values.new_full((), math.inf)
-        rows, splits = rows_for_owners(values, sel, largest, bounds, n)
-        handle = mpi_ops.alltoall_async(rows, splits, name=f"{self.name}.{key}.split", process_set=ps)
-        self.inflight[key] = (handle, acc, sel, k, bounds)
-
-        def finish():
-            if key not in self.outcomes:
-                self._reduce_all()
-            return self.outcomes.pop(key)
-        return Started(rows.numel(), sq_norm_finite(selected)[0], finish)
-
-    def _reduce_all(self):
-        """Steps 2-4 for every key in flight, in key order, each phase started for all keys before any
-        is waited for (two round trips in all, not two per tensor)."""
-        self.collectives.start_pending()
-        keys = sorted(self.inflight)
-        phase = {key: self._sum_candidates(key, *self.inflight.pop(key)) for key in keys}
-        for key in keys:
-            if phase[key] is not None:
-                phase[key] = self._keep(key, *phase[key])
-        for key in keys:
-            self.outcomes[key] = self._gather(key, phase[key])
+        self.buckets = Buckets(name, self._phases, stats)
 
     def forget(self):
-        """Drop what was shared with the old set of ranks: phases in flight, outcomes, the regions."""
-        self.inflight, self.outcomes = {}, {}
+        """Drop what was shared with the old set of ranks: buckets in flight, the regions."""
+        self.buckets.forget()
         self.regions.forget()
 
-    def _sum_candidates(self, key, handle, acc, sel, k, bounds):
-        """Step 2 and the start of step 3: this owner's summed candidates and its histogram allreduce;
-        None when some rank was non-finite (every owner received every rank's flag row)."""
-        values, indices, largest, other_sizes = senders_rows(*wait(handle), acc.numel(),
-                                                             self.value_dtype or acc.dtype)
-        if not bool(torch.isfinite(largest).all()):
-            return None
-        me = self.collectives.process_set.rank()
-        values = values.to(acc.dtype)
-        outside = int(((indices < bounds[me]) | (indices >= bounds[me + 1])).sum())
-        candidates, slot = torch.unique(indices, return_inverse=True)
-        sums = torch.zeros(candidates.numel(), dtype=acc.dtype, device=acc.device).index_add_(0, slot, values)
-        bins = magnitude_bins(sums, largest)
-        counts = torch.bincount(bins, minlength=HIST_BINS)
-        hist = histogram_row(counts, outside, other_sizes)
-        handle = mpi_ops.allreduce_async(hist, op=mpi_ops.Sum, name=f"{self.name}.{key}.hist",
-                                         process_set=self.collectives.process_set)
-        return handle, acc, sel, k, candidates, sums, bins, counts
+    def start(self, key, acc, k, finite, grad=None, step=None, k_next=None):
+        n, ranks = acc.numel(), self.collectives.process_set.size()
+        sel = topk_indices(acc, k).sort().values         # sorted: each owner's entries are one slice
+        values = acc.index_select(0, sel)
+        kind = wire_kind(acc.dtype, self.values)
+        t0 = time.perf_counter()
+        bounds = torch.tensor([0, n]) if ranks <= 2 else self.regions.of(key, n, ranks)
+        cuts = torch.searchsorted(sel, bounds.to(sel.device)).tolist()
+        wire_values = values.to(wire_dtype(kind))
+        flag = flag_of(wire_values, finite)
+        chunks = [frame(signature(key, n, lo, hi), flag, pack(wire_values[a:b], sel[a:b], lo, hi, kind))
+                  for lo, hi, a, b in zip(bounds.tolist(), bounds.tolist()[1:], cuts, cuts[1:])]
+        if self.stats is not None:
+            self.stats.add_time("pack", time.perf_counter() - t0)
+        self.buckets.add(key, dict(chunks=chunks, acc=acc, sel=sel, wire_values=wire_values, cuts=cuts, kind=kind,
+                                   k=k, bounds=bounds.tolist()))
+        return Started(sum(c.numel() for c in chunks), sq_norm_finite(values)[0],
+                       lambda: self.buckets.finish(key, self.collectives.start_pending))
 
-    def _keep(self, key, handle, acc, sel, k, candidates, sums, bins, counts):
-        """Step 3: this owner's share of the global top-k, then the start of step 4's allgather."""
-        hist = wait(handle).long().to(bins.device)
-        if int(hist[-1]):
-            raise ValueError(f"hvd_topk split_reduce: the ranks sent tensors of different sizes under {key!r} "
-                             f"({acc.numel()} elements on this rank); "
-                             f"{self.mismatch_hint or 'every rank must step the same model'}")
-        hist = hist[:-1]
-        if int(hist[-1]):
-            raise RuntimeError(f"hvd_topk split_reduce: {int(hist[-1])} rows of {key!r} reached a rank that "
-                               "does not own their index: the ranks disagree on the index regions (their "
-                               "optimizer state differs; load the same checkpoint on every rank)")
-        keep = owners_share(hist[:-1], counts, bins, sums, max(k, int(self.budget * k)))
-        kept_values = sums[keep].to(self.value_dtype or acc.dtype)
-        pad = candidates.new_full((1,), acc.numel())                # one row even when nothing is kept
-        rows = to_rows(torch.cat([kept_values, kept_values.new_zeros(1)]), torch.cat([candidates[keep], pad]))
-        handle = mpi_ops.allgather_async(rows, name=f"{self.name}.{key}.gather",
-                                         process_set=self.collectives.process_set)
-        return handle, acc, sel, rows.numel() + HIST_BYTES
+    def _phases(self, name, items):
+        """The bucket's phases (module docstring): one allgather with 1 or 2 ranks, else three."""
+        if self.collectives.process_set.size() <= 2:
+            return (yield from gathered(self, name, items))
+        return (yield from owned(self, name, items))
 
-    def _gather(self, key, phase):
-        """Step 4: the aggregate, identical on every rank, and what left this rank (its kept entries)."""
-        if phase is None:
-            return Outcome(None, None)
-        handle, acc, sel, nbytes = phase
-        values, indices = from_rows(wait(handle), self.value_dtype or acc.dtype)
-        n, at = acc.numel(), indices.to(acc.device)
-        aggregate = torch.zeros(n + 1, dtype=acc.dtype, device=acc.device)
-        aggregate[at] = values.to(device=acc.device, dtype=acc.dtype)              # pad rows: 0 at n
-        kept = torch.zeros(n + 1, dtype=torch.bool, device=acc.device)
-        kept[at] = True
-        aggregate, kept_indices = aggregate[:n], indices[indices != n]
+    def _outcome(self, item, aggregate, kept_indices, owned):
+        """The Outcome: the aggregate (averaged if asked), this rank's kept entries (``sent``), its nominated
+        ones, and with 16-bit values its residual (``owned``: the indices it kept as owner and their rounding)."""
+        acc, sel = item["acc"], item["sel"]
         if self.average:
             aggregate.mul_(1.0 / self.collectives.process_set.size())
-        if self.stats is not None:
-            self.stats.add_split(kept_indices.numel(), self.regions.largest_share(key, kept_indices),
-                                 self.collectives.process_set.size(), nbytes)
-        self.regions.observe(key, kept_indices)
-        return Outcome(aggregate, sel[kept[sel]], sel)      # this rank's entries that were kept; its nominated
-
+        kept = torch.zeros(acc.numel(), dtype=torch.bool, device=acc.device)
+        kept[kept_indices.to(acc.device)] = True
+        mine = kept[sel]
+        if item["kind"] in LOSSLESS:
+            return Outcome(aggregate, sel[mine], sel)
+        cuts = item["cuts"]
+        decoded = torch.cat([sent_values(item["wire_values"][a:b], item["kind"]) for a, b in zip(cuts, cuts[1:])])
+        residual = acc.index_put_((sel[mine],), acc[sel[mine]] - decoded[mine].to(acc.dtype))
+        if owned is not None and owned[0] is not None and owned[1] is not None:
+            residual.index_put_((owned[0].to(acc.device),), owned[1].to(acc.device), accumulate=True)
+        return Outcome(aggregate, sel[mine], sel, residual)
