@@ -120,7 +120,9 @@ def parser():
 
     t = sub.add_parser("peer-tests", help="Horovod's own optimizer tests with each front door swapped in")
     t.add_argument("--horovod-source", required=True, help="a Horovod source tree at v0.28.1")
-    t.add_argument("--front-door", default="topkef", help="horovod, topkef, topkef_unnamed, topkef_class or hvd_topk")
+    t.add_argument("--front-door", default="topkef",
+                   help="horovod, topkef, topkef_unnamed, topkef_class, hvd_topk, powersgd, powersgd_class or "
+                        "hvd_topk_powersgd")
     t.add_argument("--ratio", type=float, default=0.01)
     t.add_argument("--np", type=int, default=2)
     t.add_argument("--timeout", type=int, default=120)

@@ -15,8 +15,10 @@ Front doors: ``horovod`` (nothing swapped: the baseline, since some tests fail o
 they stand), ``topkef`` (``compression=TopKEF(named_parameters=..., process_set=...)``, given the
 optimizer's process set as TopKEF's docs ask), ``topkef_unnamed`` (an instance without names or process
 set: where the optimizer has a process set, it must fail on every rank, naming ``process_set``),
-``topkef_class`` (``compression=TopKEF``) and ``hvd_topk``
-(``hvd_topk.DistributedOptimizer``). Each test runs in a job of its own with a 120 s limit, so a hang
+``topkef_class`` (``compression=TopKEF``), ``hvd_topk`` (``hvd_topk.DistributedOptimizer``), and the
+same for low rank: ``powersgd`` (``compression=PowerSGD(rank=4, named_parameters=..., process_set=...)``),
+``powersgd_class`` (``compression=PowerSGD``) and ``hvd_topk_powersgd``
+(``hvd_topk.DistributedOptimizer(compression=PowerSGD(rank=4))``). Each test runs in a job of its own with a 120 s limit, so a hang
 shows as a timeout, not as a stuck run. Prints one line per test and the tally.
 """
 import os
@@ -38,7 +40,8 @@ OPTIMIZER_TESTS = ("test_broadcast_state", "test_broadcast_state_options", "test
                    "test_dynamic_requires_grad", "test_gradient_clipping", "test_synchronize_step_warning",
                    "test_no_named_parameters", "test_missing_named_parameters", "test_optimizer_no_named_parameters",
                    "test_sparse_embeddings", "test_optimizer_process_sets")
-FRONT_DOORS = ("horovod", "topkef", "topkef_unnamed", "topkef_class", "hvd_topk")
+FRONT_DOORS = ("horovod", "topkef", "topkef_unnamed", "topkef_class", "hvd_topk", "powersgd", "powersgd_class",
+               "hvd_topk_powersgd")
 # test_torch.py imports the ``mock`` backport; the standard library's is the same API
 sys.modules.setdefault("mock", unittest.mock)
 
@@ -53,15 +56,19 @@ class SwappedHorovod:
         return getattr(self._hvd, name)
 
     def DistributedOptimizer(self, optimizer, named_parameters=None, compression=None, **kwargs):
-        if self._front_door == "hvd_topk":
+        if self._front_door.startswith("hvd_topk"):
+            compression = hvd_topk.PowerSGD(rank=4) if self._front_door == "hvd_topk_powersgd" else \
+                TopKEF(ratio=self._ratio)
             return hvd_topk.DistributedOptimizer(optimizer, named_parameters=named_parameters,
-                                                 compression=TopKEF(ratio=self._ratio), **kwargs)
+                                                 compression=compression, **kwargs)
         named = list(named_parameters) if named_parameters is not None else None
         process_set = kwargs.get("process_set", self._hvd.global_process_set)
         comp = {"topkef": lambda: TopKEF(ratio=self._ratio, min_numel=0, named_parameters=named,
                                          process_set=process_set),
                 "topkef_unnamed": lambda: TopKEF(ratio=self._ratio, min_numel=0),
-                "topkef_class": lambda: TopKEF}[self._front_door]()
+                "topkef_class": lambda: TopKEF,
+                "powersgd": lambda: hvd_topk.PowerSGD(rank=4, named_parameters=named, process_set=process_set),
+                "powersgd_class": lambda: hvd_topk.PowerSGD}[self._front_door]()
         return self._hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=comp, **kwargs)
 
 
