@@ -37,17 +37,18 @@ LAYERS = [
         ("artopk.py", "one leader's\nindex set: leaders.py,\nindex_sets.py",
          ["transports/artopk.py", "transports/leaders.py", "transports/index_sets.py"]),
         ("allgather.py", "every rank's\nown top-k", ["transports/allgather.py"]),
-        ("split_reduce.py", "owners sum regions,\nglobal top-k:\nregions.py",
-         ["transports/split_reduce.py", "transports/regions.py"]),
+        ("split_reduce.py", "owners sum regions,\nglobal top-k:\nregions.py,\nsplit_phases.py",
+         ["transports/split_reduce.py", "transports/regions.py", "transports/split_phases.py"]),
         ("hierarchical.py", "dense in a host,\nsplit_reduce across\nhosts: host_sets.py",
          ["transports/hierarchical.py", "transports/host_sets.py"]),
-        ("collectives.py", "grouping, flags,\nagreement", ["transports/collectives.py"]),
+        ("collectives.py", "grouping, flags,\nagreement; fused.py:\none collective per\nbucket and phase",
+         ["transports/collectives.py", "transports/fused.py"]),
         ("lowrank.py", "PowerSGD's\nlow-rank P, Q", ["transports/lowrank.py"]),
         ("build.py", "the one factory:\nsettings ->\ntransports", ["transports/build.py"]),
     ]),
     ("core/", [
-        ("core/", "residuals (memory.py), exact top-k (sparsify.py),\nsizes on the wire (wire.py), "
-                  "argument checks (validate.py)", ["core/"]),
+        ("core/", "residuals (memory.py), exact top-k (sparsify.py), the packed\nmessage (codec.py), buckets "
+                  "(buckets.py), sizes on the wire\n(wire.py), argument checks (validate.py)", ["core/"]),
     ]),
     ("Horovod 0.28.1, unpatched", [
         ("horovod.torch", "allreduce, allgather, alltoall, reducescatter, broadcast (Gloo or MPI)", []),

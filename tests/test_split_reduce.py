@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hvd_topk.transports.regions import Regions
-from hvd_topk.transports.split_reduce import from_rows, to_rows
+from hvd_topk.transports.hierarchical import from_rows, to_rows
 from testbed.pytest_jobs import job
 
 
@@ -117,7 +117,7 @@ def test_skewed_gradients_give_the_exact_global_topk_and_exact_error_feedback(re
 
 @pytest.mark.parametrize("agreeing", [
     job(np, "split_reduce.py", "--steps", 8, *extra)
-    for np, extra in [(4, ["--groups", "1", "--value-dtype", "float16", "--dtype", "float32"]),
+    for np, extra in [(4, ["--groups", "1", "--values", "fp16", "--dtype", "float32"]),
                       (2, ["--selection", "global", "--ratio", "0.01"])]], ids=["4-extra0", "2-extra1"])
 def test_grouped_float16_and_global_jobs_agree_on_every_rank(results, agreeing):
     """Horovod's groups (a dense tensor's grouped allreduce is pending while split_reduce adds its
@@ -138,5 +138,5 @@ def test_grouped_float16_and_global_jobs_agree_on_every_rank(results, agreeing):
 def test_the_cost_model_counts_the_histogram_the_transport_sends():
     from hvd_topk.auto import costmodel
     from hvd_topk.transports.split_reduce import HIST_BINS, histogram_row
-    row = histogram_row(torch.zeros(HIST_BINS, dtype=torch.long), outside=0, other_sizes=0)
+    row = histogram_row(torch.zeros(HIST_BINS, dtype=torch.long), mismatched=0, unreadable=0)
     assert row.numel() * row.element_size() == costmodel.HIST_BYTES == 520

@@ -359,7 +359,7 @@ def test_settings_of_a_kind_without_transports_are_refused_by_both_doors(hvd):
 
     class Other:
         settings = OtherSettings()
-    with pytest.raises(ValueError, match=r"settings must be of a kind with transports \['topk'\]"):
+    with pytest.raises(ValueError, match=r"settings must be of a kind with transports \[.*'topk'\]"):
         build_transports(OtherSettings(), tag="t", key_index={})
     model = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="compression must be TopKEF or a TopKEF instance"):

@@ -1,43 +1,53 @@
 """The ``Transport`` protocol's invariants (hvd_topk/transports/base.py), checked for every transport on
 real ranks (tests/workers/transports.py): aggregates identical bit for bit on every rank and equal to
 the average of what left the ranks; None everywhere when one rank was non-finite; error feedback exact
-in float64 per rank; ``nbytes`` within each transport's bound; ``forget()`` leaves a working transport."""
+in float64 per rank and, with 16-bit values, over the ranks; ``nbytes`` within each transport's bound;
+``forget()`` leaves a working transport; a fused bucket gives the per-tensor sends' aggregate."""
 import pytest
 import torch
 
 from conftest import job
+from hvd_topk.core.wire import CODEC_ENTRY_BYTES, CODEC_HEADER_BYTES, FRAME_BYTES
 
-TRANSPORTS = ("dense", "artopk", "allgather", "split_reduce")
+VARIANTS = ("dense", "artopk", "allgather", "split_reduce", "allgather-bf16", "split_reduce-bf16",
+            "split_reduce-fp16", "allgather-fused", "split_reduce-fused", "split_reduce-fused-fp32")
+CODED = {"allgather-bf16": "bf16", "split_reduce-bf16": "bf16", "split_reduce-fp16": "fp16",
+         "allgather-fused": "bf16", "split_reduce-fused": "bf16"}
 NAN_STEP = 3
 JOBS = [job(np, "transports.py", "--nan-step", NAN_STEP) for np in (2, 3)]
 
 
-def max_nbytes(name, n, k, ranks):
-    """What ``start`` may hand the collectives: values are float32, indices int32 (hvd_topk.core.wire)."""
-    return {"dense": 4 * n,
-            "artopk": 4 * (k + 1),                       # k values + the finite flag
-            "allgather": 4 * (k + 1) + 4 * k,            # values + flag, and their indices
-            "split_reduce": 8 * (k + ranks)}[name]       # (value, index) rows + one flag row per owner
+def max_nbytes(variant, n, k, ranks):
+    """What ``start`` may hand the collectives: float32 values, or codec messages in frames (one per owner
+    from 3 ranks on, each with its header and two sections padded to 4 bytes)."""
+    if variant in ("dense", "artopk"):
+        return {"dense": 4 * n, "artopk": 4 * (k + 1)}[variant]      # artopk: k values + the finite flag
+    messages = ranks if variant.startswith("split_reduce") and ranks > 2 else 1
+    return messages * (FRAME_BYTES + CODEC_HEADER_BYTES + 4 + 4) + k * CODEC_ENTRY_BYTES[CODED.get(variant, "fp32")]
+
+
+def _ranks(results, np):
+    return results(JOBS[(2, 3).index(np)])
 
 
 @pytest.mark.jobs(*JOBS)
 @pytest.mark.parametrize("np", (2, 3))
-@pytest.mark.parametrize("name", TRANSPORTS)
-def test_transport_contract(results, np, name):
-    ranks = [r[name] for r in results(JOBS[(2, 3).index(np)])]
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_transport_contract(results, np, variant):
+    ranks = [r[variant] for r in _ranks(results, np)]
     for records in zip(*ranks):                          # one (step, key) across the ranks
         step, key = records[0]["step"], records[0]["key"]
         aggregates = [r["aggregate"] for r in records]
         if step == NAN_STEP and key == "a":
-            assert all(a is None for a in aggregates), (name, step, key)
+            assert all(a is None for a in aggregates), (variant, step, key)
             continue
-        assert all(a is not None and torch.equal(a, aggregates[0]) for a in aggregates), (name, step, key)
+        assert all(a is not None and torch.equal(a, aggregates[0]) for a in aggregates), (variant, step, key)
         average_sent = sum(r["sent"] for r in records) / np
         torch.testing.assert_close(aggregates[0].double(), average_sent, rtol=1e-5, atol=1e-6)
-        n, k = records[0]["sent"].numel(), records[0]["k"]
-        assert all(0 < r["nbytes"] <= max_nbytes(name, n, k, np) for r in records), (name, step)
-        if name != "dense":
-            assert all(int(r["sent"].count_nonzero()) <= k for r in records), (name, step, key)
+        n, k = records[0]["acc"].numel(), records[0]["k"]
+        assert all(0 < r["nbytes"] <= max_nbytes(variant, n, k, np) for r in records), (variant, step)
+        if variant != "dense":
+            assert all(r["sent_count"] <= k for r in records), (variant, step, key)
     for rank in ranks:                                   # Σ sent + residual = Σ grad, committed steps
         for key in ("a", "b"):
             mine = [r for r in rank if r["key"] == key and not (r["step"] == NAN_STEP and key == "a")]
@@ -48,9 +58,50 @@ def test_transport_contract(results, np, name):
 
 @pytest.mark.jobs(*JOBS)
 @pytest.mark.parametrize("np", (2, 3))
+@pytest.mark.parametrize("variant", sorted(CODED))
+def test_16_bit_values_keep_their_rounding_in_the_residuals(results, np, variant):
+    """In float64, every step: the ranks' accumulators = their new residuals + the summed aggregate, to
+    float32's rounding of the sums (1e-6 of the largest |acc|). Had the rounding of the 16-bit values
+    (2**-9 relative for bf16) been dropped instead of kept, this would miss by about 1e-3."""
+    ranks = [r[variant] for r in _ranks(results, np)]
+    coded = 0
+    for records in zip(*ranks):
+        if records[0]["aggregate"] is None:
+            continue
+        accs = sum(r["acc"] for r in records)
+        kept = sum(r["residual"] for r in records) + records[0]["aggregate"].double() * np
+        scale = max(float(r["acc"].abs().max()) for r in records)
+        torch.testing.assert_close(kept, accs, rtol=0, atol=1e-6 * scale)
+        for r in records:                                # what left is not the accumulator: it was coded
+            left = r["sent"] != 0
+            coded += int((r["sent"][left] != r["acc"][left]).sum())
+    assert coded > 0
+
+
+@pytest.mark.jobs(*JOBS)
+@pytest.mark.parametrize("np", (2, 3))
+@pytest.mark.parametrize("fused, alone", [("split_reduce-fused-fp32", "split_reduce"),
+                                          ("allgather-fused", "allgather-bf16")])
+def test_a_fused_bucket_gives_the_per_tensor_aggregate(results, np, fused, alone):
+    """The two keys in one bucket (one collective per phase) against each alone, on the same gradients
+    (the worker seeds per transport and values): with fp32 values split_reduce's sums are the same, in
+    the same order, bit for bit, step after step; so are allgather's in bf16."""
+    for rank in _ranks(results, np):
+        assert len(rank[fused]) == len(rank[alone]) > 0
+        for together, apart in zip(rank[fused], rank[alone]):
+            assert together["step"] == apart["step"] and together["key"] == apart["key"]
+            torch.testing.assert_close(together["acc"], apart["acc"], rtol=0, atol=0, equal_nan=True)
+            assert (together["aggregate"] is None) == (apart["aggregate"] is None)
+            if apart["aggregate"] is not None:
+                assert torch.equal(together["aggregate"], apart["aggregate"])
+                assert torch.equal(together["residual"], apart["residual"])
+
+
+@pytest.mark.jobs(*JOBS)
+@pytest.mark.parametrize("np", (2, 3))
 def test_waiting_ranks_sleep_instead_of_spinning(results, np):
     # The ranks that wait a second for the last one spend a small part of it on the CPU; Horovod's own
     # synchronize() (HVD_TOPK_SPIN_WAIT=1) would spend all of it, starving ranks that share the cores.
-    waits = [r["late_wait"] for r in results(JOBS[(2, 3).index(np)])][:-1]
+    waits = [r["late_wait"] for r in _ranks(results, np)][:-1]
     for wall, cpu in waits:
         assert wall > 0.5 and cpu < 0.2 * wall, waits

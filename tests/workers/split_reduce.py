@@ -20,7 +20,7 @@ p.add_argument("--steps", type=int, default=12)
 p.add_argument("--ratio", type=float, default=0.02)
 p.add_argument("--rebalance-every", type=int, default=4)
 p.add_argument("--dtype", choices=["float32", "float64"], default="float64")
-p.add_argument("--value-dtype", choices=["none", "float16"], default="none")
+p.add_argument("--values", choices=["bf16", "fp16", "fp32"], default="bf16")
 p.add_argument("--selection", default="layerwise")
 p.add_argument("--groups", type=int, default=0)
 p.add_argument("--skew", action="store_true")
@@ -34,9 +34,8 @@ shapes = {"a": (37, 53), "b": (64, 31), "bias": (40,)}
 params = {name: torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for name, shape in shapes.items()}
 opt = hvd_topk.DistributedOptimizer(
     torch.optim.SGD(params.values(), lr=0.01), named_parameters=params.items(),
-    compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=16), groups=args.groups or None,
-    communication="split_reduce", settings=hvd_topk.OptimizerSettings(
-        selection=args.selection, value_dtype=None if args.value_dtype == "none" else torch.float16))
+    compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=16, values=args.values), groups=args.groups or None,
+    communication="split_reduce", settings=hvd_topk.OptimizerSettings(selection=args.selection))
 opt._hvd_topk.transports["split_reduce"].regions.rebalance_every = args.rebalance_every
 
 records = []

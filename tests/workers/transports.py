@@ -1,10 +1,12 @@
 """Every transport driven directly through the ``Transport`` protocol (tests/test_transports.py).
 
-Per transport, two keys per step, started in reversed order on odd ranks and finished in key order, as
+Per variant, two keys per step, started in reversed order on odd ranks and finished in key order, as
 a caller does. Rank 1 poisons key "a" with a NaN at ``--nan-step``: that key's aggregate must be None
-on every rank and its residual is kept. ``forget()`` is called before the last step. Writes
-``<out>/rank<r>.pt``: per transport and step and key, the aggregate, what left this rank (dense,
-float64), the gradient, the residual after the step, and ``Started.nbytes``.
+on every rank and its residual is kept. ``forget()`` is called before the last step. The variants: each
+transport with exact values ('fp32': split_reduce and allgather as 8-byte rows summed), then allgather
+and split_reduce with 16-bit values, and both with the two keys fused in one bucket. Writes
+``<out>/rank<r>.pt``: per variant and step and key, the aggregate, the accumulator, what left this rank
+(acc - new residual, float64), the gradient, the residual after the step and ``Started.nbytes``.
 
 Last, ``collectives.wait`` on an allreduce that the last rank joins 1 s late: every rank records the
 wall and CPU seconds of its wait (a spinning wait would spend the whole second on the CPU).
@@ -33,27 +35,41 @@ args = p.parse_args()
 hvd.init()
 torch.set_num_threads(1)
 KEYS = ("a", "b")
-NAMES = ("dense", "artopk", "allgather", "split_reduce")
+# variant -> (transport, values, fused)
+VARIANTS = {"dense": ("dense", None, False), "artopk": ("artopk", None, False),
+            "allgather": ("allgather", "fp32", False), "split_reduce": ("split_reduce", "fp32", False),
+            "allgather-bf16": ("allgather", "bf16", False), "split_reduce-bf16": ("split_reduce", "bf16", False),
+            "split_reduce-fp16": ("split_reduce", "fp16", False),
+            "allgather-fused": ("allgather", "bf16", True), "split_reduce-fused": ("split_reduce", "bf16", True),
+            "split_reduce-fused-fp32": ("split_reduce", "fp32", True)}
+
+# The gradients are seeded per (transport, values): a fused variant replays its per-tensor variant's
+DATA = sorted({spec[:2] for spec in VARIANTS.values()}, key=repr)
 
 
-def build(name):
-    """The transport ``name`` averaging over all ranks, and what its caller flushes after a step's starts."""
-    collectives = Collectives(f"contract.{name}.group")
+def build(variant):
+    """The transport of ``variant`` averaging over all ranks, and what its caller flushes after a step's starts."""
+    name, values, fused = VARIANTS[variant]
+    collectives = Collectives(f"contract.{variant}.group")
     if name == "dense":
         return Dense(collectives, Reduction.of(hvd.Average), name="contract.dense"), collectives, None
     if name == "artopk":
-        index_sets = IndexPipeline(f"contract.{name}.indices")
+        index_sets = IndexPipeline(f"contract.{variant}.indices")
         leaders = StarLeaders({key: i for i, key in enumerate(KEYS)})
         return ARTopk(index_sets, leaders, collectives, Reduction.of(hvd.Average)), collectives, index_sets
     if name == "allgather":
-        return SparseAllgather(collectives, True, name="contract.allgather"), collectives, None
-    return SplitReduce(collectives, True, Regions(rebalance_every=2), "contract.split"), collectives, None
+        transport = SparseAllgather(collectives, True, values, name=f"contract.{variant}")
+    else:
+        transport = SplitReduce(collectives, True, Regions(rebalance_every=2), f"contract.{variant}", values)
+    if fused:
+        transport.buckets.set_plan([list(KEYS)])
+    return transport, collectives, None
 
 
-def run(name):
-    transport, collectives, index_sets = build(name)
+def run(variant):
+    transport, collectives, index_sets = build(variant)
     residual = {key: torch.zeros(args.numel) for key in KEYS}
-    k = args.numel if name == "dense" else args.k
+    k = args.numel if variant == "dense" else args.k
     records = []
     for step in range(args.steps):
         if step == args.steps - 1:
@@ -65,25 +81,32 @@ def run(name):
             transport.forget()
         started = {}
         for key in (reversed(KEYS) if hvd.rank() % 2 else KEYS):
-            seed = 100000 * NAMES.index(name) + 1000 * hvd.rank() + 10 * step + KEYS.index(key)
+            seed = 100000 * DATA.index(VARIANTS[variant][:2]) + 1000 * hvd.rank() + 10 * step + KEYS.index(key)
             gen = torch.Generator().manual_seed(seed)
             g = torch.randn(args.numel, generator=gen)
             acc = g + residual[key]
             if step == args.nan_step and hvd.rank() == 1 and key == "a":
                 acc[5] = float("nan")
             finite = bool(torch.isfinite(acc).all())
-            started[key] = (transport.start(key, acc, k, finite, grad=g, step=step, k_next=k), acc, g)
+            before = acc.clone()               # the transport may write the residual into acc
+            started[key] = (transport.start(key, acc, k, finite, grad=g, step=step, k_next=k), acc, before, g)
         if index_sets is not None:
             index_sets.flush()                 # the step's last start: AR-Topk's next sets leave
         for key in KEYS:
-            st, acc, g = started[key]
+            st, acc, before, g = started[key]
             out = st.finish()
-            sent = acc.double() if out.sent is None else \
-                torch.zeros(args.numel, dtype=torch.float64).index_copy_(0, out.sent, acc.double()[out.sent])
+            if out.residual is not None:
+                new = out.residual.clone()
+            elif out.sent is not None:
+                new = acc.clone().index_fill_(0, out.sent, 0)
+            else:
+                new = torch.zeros(args.numel)
             if out.aggregate is not None:      # committed only if every rank was finite
-                residual[key] = acc - sent.float() if out.sent is not None else torch.zeros(args.numel)
-            records.append(dict(step=step, key=key, aggregate=out.aggregate, sent=sent, grad=g.double(),
-                                residual=residual[key].double().clone(), nbytes=st.nbytes, k=k))
+                residual[key] = new
+            records.append(dict(step=step, key=key, aggregate=out.aggregate, acc=before.double(),
+                                sent=before.double() - residual[key].double() if out.aggregate is not None else None,
+                                grad=g.double(), residual=residual[key].double().clone(), nbytes=st.nbytes, k=k,
+                                sent_count=None if out.sent is None else out.sent.numel()))
         collectives.end_step()
     return records
 
@@ -98,7 +121,7 @@ def late_wait(late_s=1.0):
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-result = {name: run(name) for name in NAMES}
+result = {variant: run(variant) for variant in VARIANTS}
 result["size"] = hvd.size()
 result["late_wait"] = late_wait()
 torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))

@@ -1,0 +1,105 @@
+"""Fused buckets (hvd_topk/transports/fused.py) against per-tensor sends, on real ranks, through both front
+doors (tests/workers/fused.py): gradients ready in different orders on different ranks and a layer one
+rank never uses; no hang, and with exact values the same parameters bit for bit whether every tensor
+travels alone, in several buckets or in one; the step's time split in stats. The pure parts (the plan,
+the frames) are tested here in one process."""
+import pytest
+import torch
+
+from conftest import assert_identical_across_ranks, job
+from hvd_topk.core.buckets import cap_numel, flag_of, frame, plan_buckets, read_frames, signature, wire_kind
+from hvd_topk.core.codec import pack, unpack
+from hvd_topk.step.stats import StepStats, hidden_share
+
+JOBS = {np: job(np, "fused.py") for np in (2, 3)}
+RUNS = [(door, communication) for door in ("opt", "stock") for communication in ("split_reduce", "allgather")]
+
+
+@pytest.mark.jobs(*JOBS.values())
+@pytest.mark.parametrize("np", (2, 3))
+@pytest.mark.parametrize("door, communication", RUNS)
+def test_fused_buckets_give_the_per_tensor_parameters_on_every_rank(results, np, door, communication):
+    ranks = results(JOBS[np])
+    runs = [(door, communication, "fp32", label) for label in ("alone", "buckets", "one")]
+    runs.append((door, communication, "bf16", "buckets"))
+    for run in runs:
+        assert_identical_across_ranks([res[run] for res in ranks])
+    alone = ranks[0][runs[0]]["params"]
+    for run in runs[1:3]:
+        for name, value in alone.items():
+            assert torch.equal(ranks[0][run]["params"][name], value), (run, name)
+    assert not torch.equal(ranks[0][runs[3]]["params"]["body.0.weight"], alone["body.0.weight"])   # 16 bits
+
+
+@pytest.mark.jobs(*JOBS.values())
+@pytest.mark.parametrize("np", (2, 3))
+@pytest.mark.parametrize("door, communication", RUNS)
+def test_one_collective_per_bucket_and_phase_and_the_time_split(results, np, door, communication):
+    """Alone, one collective per tensor (six weights) and phase; in one bucket, one. The step's seconds
+    split into its parts, which add up to the step."""
+    stats = {label: results(JOBS[np])[0][(door, communication, "fp32", label)]["stats"] for label in ("alone", "one")}
+    phases = ["gather"] if np <= 2 or communication == "allgather" else ["split", "hist", "gather"]
+    for phase in phases:
+        assert stats["one"][f"collectives_{phase}"] == 1, stats["one"]
+        assert stats["alone"][f"collectives_{phase}"] == stats["alone"]["sparse_tensors"] == 6, stats["alone"]
+    for s in stats.values():
+        parts = ["time_compute_s", "time_select_s", "time_pack_s", "time_sync_s", "time_optimizer_s"]
+        assert all(s[part] >= 0 for part in parts) and s["time_step_s"] > 0
+        assert sum(s[part] for part in parts) == pytest.approx(s["time_step_s"], rel=1e-6)
+        assert s["time_wait_s"] == pytest.approx(sum(s[f"time_wait_{phase}_s"] for phase in phases if
+                                                     f"time_wait_{phase}_s" in s))
+        assert 0.0 <= s["comm_hidden"] <= 1.0
+        assert (s["time_optimizer_s"] > 0) == (door == "opt")          # TopKEF cannot see the optimizer
+
+
+def test_buckets_follow_reverse_registration_order_within_the_cap():
+    numels = {"a": 10, "b": 20, "c": 5, "d": 40}
+    assert plan_buckets("abcd", numels, cap=30) == [["d"], ["c", "b"], ["a"]]
+    assert plan_buckets("abcd", numels, cap=0) == [["d", "c", "b", "a"]]
+    assert plan_buckets("abcd", numels, cap=1) == [["d"], ["c"], ["b"], ["a"]]
+    assert plan_buckets([], numels, cap=5) == []
+    assert cap_numel(1e-9) == 1 and cap_numel(0.0) == 0 and cap_numel(1.0) == 2 ** 18
+    with pytest.raises(ValueError, match="cap must be an integer >= 0"):
+        plan_buckets("ab", numels, cap=-1)
+
+
+def test_the_wire_kind_keeps_float64_and_16_bit_accumulators_whole():
+    assert wire_kind(torch.float32, "bf16") == "bf16" and wire_kind(torch.float32, "fp32") == "fp32"
+    assert wire_kind(torch.float64, "bf16") == wire_kind(torch.float64, "fp32") == "fp64"
+    assert wire_kind(torch.float16, "bf16") == "fp16" and wire_kind(torch.bfloat16, "fp16") == "bf16"
+    assert wire_kind(torch.float16, "fp32") == "fp32"
+    with pytest.raises(ValueError, match="values must be one of"):
+        wire_kind(torch.float32, "int8")
+
+
+def test_frames_laid_end_to_end_read_back_with_their_signatures_and_flags():
+    values = torch.tensor([3.0, -1.0, 0.5])
+    empty = pack(values[:0], torch.tensor([], dtype=torch.long), 10, 20, "fp16")
+    parts = [frame(signature("w", 100, 0, 100), flag_of(values, True), pack(values, torch.tensor([7, 1, 99]), 0, 100)),
+             frame(signature("b", 20, 10, 20), flag_of(values, False), empty)]
+    buf = torch.cat(parts + [torch.zeros(4, dtype=torch.uint8)])          # whatever follows is not read
+    frames, used = read_frames(buf, [100, 10])
+    assert used == buf.numel() - 4
+    assert [f[0] for f in frames] == [signature("w", 100, 0, 100), signature("b", 20, 10, 20)]
+    assert frames[0][1] == 3.0 and frames[1][1] == float("inf")
+    got, at = unpack(frames[0][2], 0, 100)
+    assert at.tolist() == [1, 7, 99] and got.tolist() == [-1.0, 3.0, 0.5]
+    assert signature("w", 100, 0, 100) != signature("w", 101, 0, 100) != signature("w", 100, 0, 50)
+    with pytest.raises(ValueError, match="ends inside frame 1"):
+        read_frames(buf[:parts[0].numel() + 4], [100, 10])
+
+
+def test_hidden_share_counts_overlapping_flights_once():
+    assert hidden_share([(0.0, 2.0), (1.0, 3.0)], blocked=0.0) == 1.0
+    assert hidden_share([(0.0, 1.0), (2.0, 3.0)], blocked=2.0) == 0.0
+    assert hidden_share([], blocked=0.0) == 0.0
+    stats = StepStats(clock=iter([10.0, 11.0]).__next__)
+    stats.end_step(density=0.01)
+    stats.add_time("pack", 0.25)
+    stats.add_collective("gather")
+    stats.add_wait("gather", 0.25)
+    stats.add_flight(10.0, 10.5)
+    stats.end_step(density=0.01, comm_s=0.5)
+    last = stats.last()
+    assert last["time_step_s"] == 1.0 and last["time_compute_s"] == 0.25 and last["collectives_gather"] == 1
+    assert last["time_wait_gather_s"] == 0.25 and last["comm_hidden"] == 0.5

@@ -1,0 +1,78 @@
+"""Fused buckets against per-tensor sends, through both front doors (tests/test_fused.py).
+
+One small MLP trained 8 steps per run, fresh each time, on gradients that become ready in different
+orders on different ranks (odd ranks: one backward pass per parameter, last layer first... reversed) and
+with a layer that rank 0 never uses (Horovod submits its zero gradient at ``synchronize()``). Each of
+hvd_topk.DistributedOptimizer and stock Horovod with TopKEF, each of split_reduce and allgather, runs
+with exact values ('fp32') three times: every tensor alone (``bucket_cap_mb`` of one element), in
+several buckets, and in one bucket for the whole step; then once with the default 16-bit values.
+Writes ``<out>/rank<r>.pt``: per run the final parameters and the last step's stats.
+"""
+import argparse
+import os
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hvd_topk
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=8)
+args = p.parse_args()
+
+hvd.init()
+torch.set_num_threads(1)
+CAPS = {"alone": 1e-7, "buckets": 0.02, "one": 0.0}      # MB of float32 gradient per bucket
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # no biases and min_numel=0 below: every tensor is compressed; a dense one's sum over 3 ranks
+        # would depend on what Horovod's timing fused it with
+        self.body = nn.ModuleList([nn.Linear(a, b, bias=False) for a, b in [(32, 64), (64, 64), (64, 64), (64, 48)]])
+        self.extra = nn.Linear(48, 48, bias=False)        # unused on rank 0
+        self.head = nn.Linear(48, 1, bias=False)
+
+    def forward(self, x):
+        for layer in self.body:
+            x = torch.tanh(layer(x))
+        if hvd.rank() != 0:
+            x = torch.tanh(self.extra(x))
+        return self.head(x)
+
+
+def train(door, communication, values, cap):
+    torch.manual_seed(1234)
+    model = Net()
+    compression = hvd_topk.TopKEF(ratio=0.05, min_numel=0, named_parameters=model.named_parameters(),
+                                  communication=communication, values=values, bucket_cap_mb=cap)
+    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if door == "opt":
+        opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
+    else:
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
+    for step in range(args.steps):
+        opt.zero_grad()
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * hvd.rank() + step))
+        loss = ((model(x) - x @ w_true) ** 2).mean()
+        used = [q for name, q in model.named_parameters() if hvd.rank() != 0 or not name.startswith("extra")]
+        order = used[::-1 if hvd.rank() % 2 else 1]       # Horovod's hook of each fires in this order
+        for i, q in enumerate(order):
+            loss.backward(inputs=[q], retain_graph=i < len(order) - 1)
+        opt.step()
+    stats = opt.stats() if door == "opt" else compression.stats()
+    return {"params": {n: q.detach().clone() for n, q in model.named_parameters()}, "stats": stats}
+
+
+result = {}
+for door in ("opt", "stock"):
+    for communication in ("split_reduce", "allgather"):
+        for label, cap in CAPS.items():
+            result[(door, communication, "fp32", label)] = train(door, communication, "fp32", cap)
+        result[(door, communication, "bf16", "buckets")] = train(door, communication, "bf16", CAPS["buckets"])
+torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))
