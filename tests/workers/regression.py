@@ -4,7 +4,9 @@ digest of the final parameters of each: the regression reference of tests/test_r
 Every configuration trains its own fresh model (same seed) with its own optimizer, one after the other
 in the same job, through the public API only, so the digests compare any two versions of the core.
 Only deterministic configurations are here: ``communication='auto'`` and the adaptive ratio decide
-from measured times, which differ from run to run.
+from measured times, which differ from run to run. The configurations recorded before 16-bit values
+run with ``values='fp32'`` (the fused buckets must give their sums bit for bit); ``NEW_DEFAULTS`` run
+the defaults since then (16-bit values; split_reduce as one allgather at 2 ranks).
 """
 import argparse
 import hashlib
@@ -32,7 +34,7 @@ CONFIGS = {
     "artopk_no_momentum_correction": ("opt", dict(momentum_correction=False)),
     "artopk_schedule_clip_nesterov": ("opt", dict(warmup_steps=5, dense_steps=2, clip_grad_norm=0.5,
                                                   nesterov=True, weight_decay=1e-3)),
-    "allgather_float16_values": ("opt", dict(communication="allgather", value_dtype=torch.float16)),
+    "allgather_float16_values": ("opt", dict(communication="allgather", values="fp16")),
     "artopk_groups": ("opt", dict(groups=1)),
     "artopk_sum_two_passes": ("opt", dict(op="sum", backward_passes_per_step=2)),
     "artopk_ratio_one": ("opt", dict(ratio=1.0)),
@@ -43,6 +45,15 @@ CONFIGS = {
     "stock_topkef": ("stock", dict()),
     "stock_topkef_sync_indices": ("stock", dict(sync_indices=True)),
 }
+# the defaults of 16-bit values and fused buckets (recorded with them; tests/data/regression_digests.json)
+NEW_DEFAULTS = {
+    "split_reduce_bf16": ("opt", dict(communication="split_reduce", values="bf16")),
+    "allgather_bf16_global": ("opt", dict(communication="allgather", selection="global", values="bf16")),
+    "split_reduce_bf16_no_buckets": ("opt", dict(communication="split_reduce", values="bf16", bucket_cap_mb=1e-6)),
+    "stock_topkef_split_reduce_bf16": ("stock", dict(communication="split_reduce", values="bf16")),
+    "stock_topkef_allgather_fp16": ("stock", dict(communication="allgather", values="fp16")),
+}
+CONFIGS.update(NEW_DEFAULTS)
 
 
 def train(kind, options):
@@ -61,14 +72,15 @@ def train(kind, options):
     passes = options.pop("backward_passes_per_step", 1)
     ratio = options.pop("ratio", 0.05)
     options.setdefault("communication", "artopk")   # the default when the reference was recorded
+    wire = dict(values=options.pop("values", "fp32"), bucket_cap_mb=options.pop("bucket_cap_mb", 25.0))
     if kind == "stock":
         compression = hvd_topk.TopKEF(ratio=ratio, min_numel=64, sync_indices=options.pop("sync_indices", False),
-                                      communication=options.pop("communication"))
+                                      communication=options.pop("communication"), **wire)
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        op=op, backward_passes_per_step=passes)
     else:
         opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                            compression=hvd_topk.TopKEF(ratio=ratio, min_numel=64), op=op,
+                                            compression=hvd_topk.TopKEF(ratio=ratio, min_numel=64, **wire), op=op,
                                             backward_passes_per_step=passes, communication=options.pop("communication"),
                                             groups=options.pop("groups", None),
                                             settings=hvd_topk.OptimizerSettings(**options))
