@@ -8,6 +8,7 @@ On 2 real ranks behind a 100 Mbit/s link (tests/workers/auto_mix.py): the probe,
 a trial of five plans keep each tensor on its compressor, the same on every rank.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -137,14 +138,16 @@ MIX = job(2, "auto_mix.py", netns="100mbit", timeout=300)
 @pytest.mark.jobs(MIX)
 def test_on_two_ranks_each_tensor_keeps_its_compressor(results):
     """100 Mbit/s: dense is far off; the model's plan sends emb with Top-K and fc with rank 4, and the
-    trial of it against all artopk, split_reduce, allgather and low rank (J at w = 2) keeps it. Every
-    decision, the quality figures and the parameters are the same on every rank."""
+    trial of it against the uniform plans modelled within 4x of it (all artopk, split_reduce, allgather,
+    low rank, as the probed link has it) keeps it (J at w = 2). Every decision, the quality figures and
+    the parameters are the same on every rank."""
     ranks = results(MIX)
     first = ranks[0]
     assert first["model_plan"]["emb"] in TOPK and first["model_plan"]["fc"] == "lowrank", first["model_plan"]
     assert first["auto"]["plan"]["emb"] in TOPK and first["auto"]["plan"]["fc"] == "lowrank", first["auto"]["history"]
     history = first["auto"]["history"]
-    assert "trial of 5 plans" in history[0][3] and "kept mixed" in history[-1][3], history
+    tried = re.search(r"trial of (\d) plans", history[0][3])         # how many: the probe's α/β decide
+    assert tried and int(tried.group(1)) >= 3 and "kept mixed" in history[-1][3], history
     quality = first["quality"]
     assert quality["emb"]["topk"] / quality["emb"]["energy"] > 0.99 > 0.3 > quality["emb"]["lowrank"] / quality["emb"]["energy"]
     assert quality["fc"]["lowrank"] / quality["fc"]["energy"] > 0.99 > 0.4 > quality["fc"]["topk"] / quality["fc"]["energy"]
