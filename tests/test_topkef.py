@@ -362,5 +362,5 @@ def test_settings_of_a_kind_without_transports_are_refused_by_both_doors(hvd):
     with pytest.raises(ValueError, match=r"settings must be of a kind with transports \[.*'topk'\]"):
         build_transports(OtherSettings(), tag="t", key_index={})
     model = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="compression must be TopKEF or a TopKEF instance"):
+    with pytest.raises(ValueError, match="compression must be TopKEF or PowerSGD, the class or an instance"):
         hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=Other)

@@ -29,13 +29,13 @@ matrix products::
     lowrank       dense_ring(4rn) + dense_ring(4rm)               P's and Q's allreduce (torch's two)
                   + 3μ·r·n·m + 2π·n·m                             M Q, M^T P, P Q^T; the residual
 
-Each tensor takes the transport of least J = seconds / G^w, G the fraction of its accumulator's energy
-the transport sends at once (``hvd_topk.auto.quality``: 1 for dense, measured for Top-K and low rank),
-w the gain's weight; without quality figures (w = 0, or none given) J is the seconds. Ties go to dense,
-then artopk, then split_reduce, then allgather, then hierarchical, then lowrank (``transports_of``). Horovod's Gloo and MPI collectives do not expose ring vs.
-tree, so only the ring formulas are used. The model ignores the overlap with the backward pass and the
-ranks' competition for CPU, so ``trial_plans`` lists the plans worth checking by measurement
-(``hvd_topk.auto.trial``).
+Each tensor takes the transport of least J = seconds / G^w, G the fraction of its gradient's energy the
+transport sends at once (``hvd_topk.auto.quality``: 1 for dense, measured for Top-K and low rank), w the
+gain's weight; without quality figures (w = 0, or none given) J is the seconds. Ties go to dense, then
+artopk, then split_reduce, then allgather, then hierarchical, then lowrank (``transports_of``).
+Horovod's Gloo and MPI collectives do not expose ring vs. tree, so only the ring formulas are used. The
+model ignores the overlap with the backward pass and the ranks' competition for CPU, so ``trial_plans``
+lists the plans worth checking by measurement (``hvd_topk.auto.trial``).
 """
 import math
 from typing import NamedTuple, Optional
@@ -44,7 +44,8 @@ from . import costmodel
 from .quality import kept_fraction, plan_gain
 from ..core.wire import INDEX_BYTES
 
-__all__ = ["TRANSPORTS", "HIERARCHICAL", "LOWRANK", "TRIAL_SPAN", "HostLink", "Costs", "transports_of", "tensor_seconds",
+__all__ = ["TRANSPORTS", "HIERARCHICAL", "LOWRANK", "TRIAL_SPAN", "HostLink", "Costs", "transports_of",
+           "tensor_seconds",
            "hierarchical_seconds", "plan_transports", "plan_seconds", "trial_plans", "uniform_plan", "plan_name",
            "plan_counts", "fitted_link", "link_figures", "costs_to_data", "costs_from_data", "lowrank_seconds"]
 
@@ -106,7 +107,8 @@ def costs_from_data(data):
     if data is None:
         return None
     hosts = data[4] if len(data) > 4 else None
-    return Costs(*data[:4], hosts=None if hosts is None else HostLink(*hosts), matmul_s=data[5] if len(data) > 5 else 0.0)
+    return Costs(*data[:4], hosts=None if hosts is None else HostLink(*hosts),
+                 matmul_s=data[5] if len(data) > 5 else 0.0)
 
 
 def tensor_seconds(numel, density, n_workers, costs, value_bytes=4, lowrank=None):

@@ -100,7 +100,8 @@ class CompressorDoor(Compressor):
 
     def __init__(self, settings, named_parameters=None, process_set=mpi_ops.global_process_set):
         self.settings, self.process_set = settings, process_set
-        self.keys = SlotSequence() if named_parameters is None else ParameterKeys(named_parameters)
+        door = type(self).__name__                                     # what the keys' errors name
+        self.keys = SlotSequence(door) if named_parameters is None else ParameterKeys(named_parameters, door)
         self.memory, self._step = ResidualMemory(), PendingStep()     # key -> residual; this step's candidates
 
     @classmethod

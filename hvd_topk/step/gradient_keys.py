@@ -1,4 +1,5 @@
-"""Which parameter a gradient belongs to, for ``TopKEF`` inside stock Horovod.
+"""Which parameter a gradient belongs to, for the Compressor doors (``TopKEF``, ``PowerSGD``) inside stock
+Horovod; their errors name the door (``door``).
 
 Horovod's ``Compressor.compress(tensor)`` receives only the gradient, not its parameter or name.
 
@@ -20,7 +21,8 @@ __all__ = ["ParameterKeys", "SlotSequence"]
 class ParameterKeys:
     """Gradient tensor -> parameter name, from ``named_parameters``; tracks the step's keys."""
 
-    def __init__(self, named_parameters):
+    def __init__(self, named_parameters, door="TopKEF"):
+        self.door = door           # the Compressor's class name, as the errors name it
         pairs = list(named_parameters)
         if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
             raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() gives")
@@ -58,15 +60,15 @@ class ParameterKeys:
         matches = [n for n, p in self.params.items()
                    if p.grad is not None and p.grad.is_sparse and tuple(p.grad.shape) == tuple(tensor.shape)]
         if len(matches) != 1:
-            raise ValueError(f"TopKEF: a gradient of shape {tuple(tensor.shape)} is the .grad of none of the "
-                             "named_parameters given to TopKEF; give it the same model's "
+            raise ValueError(f"{self.door}: a gradient of shape {tuple(tensor.shape)} is the .grad of none of the "
+                             f"named_parameters given to {self.door}; give it the same model's "
                              "model.named_parameters() as the optimizer")
         return matches[0]
 
     def _maybe_new_step(self):
         if self.decompressing:
             if self.pending:
-                raise RuntimeError(f"TopKEF: a new step started with {self.pending} gradient(s) of the previous "
+                raise RuntimeError(f"{self.door}: a new step started with {self.pending} gradient(s) of the previous "
                                    "step never decompressed; let Horovod's synchronize() finish every step")
             self.previous, self.keys, self.decompressing = set(self.keys), [], False
 
@@ -104,7 +106,8 @@ class SlotSequence:
     ``zero_grad()``, are matched by position as before.)
     """
 
-    def __init__(self):
+    def __init__(self, door="TopKEF"):
+        self.door = door           # the Compressor's class name, as the errors name it
         self.key_index = _SlotIndex()  # STAR's tensor index: the slot itself
         self.signatures = []      # (shape, dtype, device) per slot; complete after the first step
         self.complete = False     # True once the first step has reached decompress
@@ -121,8 +124,8 @@ class SlotSequence:
         if self.decompressing:
             if self.pending:
                 raise RuntimeError(
-                    f"TopKEF: a new step started with {self.pending} gradient(s) of the previous "
-                    "step never decompressed; use one TopKEF instance per optimizer, with "
+                    f"{self.door}: a new step started with {self.pending} gradient(s) of the previous "
+                    f"step never decompressed; use one {self.door} instance per optimizer, with "
                     "named_parameters=model.named_parameters(), and let Horovod's synchronize() finish every step")
             self.decompressing = False
             self.position = 0
@@ -135,21 +138,21 @@ class SlotSequence:
             self.signatures.append(signature)
         elif slot in self.taken:
             raise ValueError(
-                f"TopKEF: slot #{slot} is handed out twice in this step: the gradients came in another "
+                f"{self.door}: slot #{slot} is handed out twice in this step: the gradients came in another "
                 "order than in the last step, and not all of them are the last step's tensors. Without names "
-                "TopKEF keeps residuals by position; give it named_parameters=model.named_parameters()")
+                f"{self.door} keeps residuals by position; give it named_parameters=model.named_parameters()")
         elif slot >= len(self.signatures):
             raise ValueError(
-                f"TopKEF: this step compresses more gradients than the first step "
+                f"{self.door}: this step compresses more gradients than the first step "
                 f"({len(self.signatures)}); the model or its trainable parameters changed. "
-                "Give TopKEF named_parameters=model.named_parameters(), one TopKEF per optimizer: "
+                f"Give {self.door} named_parameters=model.named_parameters(), one {self.door} per optimizer: "
                 "without names its residuals are kept by position")
         elif self.signatures[slot] != signature:
             raise ValueError(
-                f"TopKEF: gradient #{slot} of this step has shape/dtype/device {signature}, but "
+                f"{self.door}: gradient #{slot} of this step has shape/dtype/device {signature}, but "
                 f"slot #{slot} holds a residual for {self.signatures[slot]}; the sequence of "
                 "gradients changed (different model, or a parameter frozen mid-run). Refusing to "
-                "apply a residual to the wrong tensor; with TopKEF(named_parameters=model.named_parameters()) "
+                f"apply a residual to the wrong tensor; with {self.door}(named_parameters=model.named_parameters()) "
                 "residuals are kept by parameter name instead")
         self.current[id(tensor)] = (weakref.ref(tensor), slot)
         self.taken.add(slot)
@@ -189,9 +192,9 @@ class SlotSequence:
                 self.complete = True
             elif self.position != len(self.signatures):
                 raise ValueError(
-                    f"TopKEF: this step compressed {self.position} gradients, the first step "
+                    f"{self.door}: this step compressed {self.position} gradients, the first step "
                     f"{len(self.signatures)}; the model or its trainable parameters changed (use "
-                    "TopKEF(named_parameters=model.named_parameters()), one per optimizer)")
+                    f"{self.door}(named_parameters=model.named_parameters()), one per optimizer)")
         self.pending -= 1
 
 
