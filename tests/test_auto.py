@@ -32,12 +32,12 @@ def test_tensor_seconds_hand_computed():
     # n = 1e6 fp32 (M = 4e6 B), c = 0.01, N = 4, FAST. dense ring: 6α + 1.5·Mβ.
     t = tensor_seconds(10**6, 0.01, 4, FAST)
     assert math.isclose(t["dense"], 6e-5 + 1.5 * 4e6 * 1e-11)
-    # allgather: α·2 + Mc·2·β·3 + σn + πn
-    assert math.isclose(t["allgather"], 2e-5 + 4e4 * 2 * 1e-11 * 3 + 1e-3 + 1e-4)
+    # allgather: α·2 + Mc·β·3 + σn + πn (its entries packed in 4 bytes: Mc·4/4)
+    assert math.isclose(t["allgather"], 2e-5 + 4e4 * 1e-11 * 3 + 1e-3 + 1e-4)
     # artopk ring: α(6 + 2) + Mcβ(1.5 + 2) + σn/N + 2πn
     assert math.isclose(t["artopk"], 8e-5 + 4e4 * 1e-11 * 3.5 + 1e-3 / 4 + 2e-4)
-    # split_reduce: α·12 + 1.5·(Mc·2 + 520)·β + σn + πn
-    assert math.isclose(t["split_reduce"], 1.2e-4 + 1.5 * (4e4 * 2 + 520) * 1e-11 + 1e-3 + 1e-4)
+    # split_reduce: α·12 + 1.5·(Mc + 520)·β + σn + πn (packed as allgather's)
+    assert math.isclose(t["split_reduce"], 1.2e-4 + 1.5 * (4e4 + 520) * 1e-11 + 1e-3 + 1e-4)
     assert tuple(t) == TRANSPORTS == ("dense", "artopk", "split_reduce", "allgather")
 
 
@@ -45,8 +45,8 @@ def test_plan_picks_allgather_tiny_density_fast_link_and_split_reduce_slow_many(
     assert plan_transports({"w": 10**7}, 1e-4, 4, FAST._replace(select_s=0, pass_s=0)) == {"w": "allgather"}
     # 100 Mbit/s, 64 ranks: split_reduce's bytes, flat in N, beat AR-Topk's index broadcast (log N)
     assert plan_transports({"w": 10**7}, 0.05, 64, SLOW) == {"w": "split_reduce"}
-    # ... but on 2 ranks they send the same bytes, and AR-Topk needs fewer messages and selections
-    assert plan_transports({"w": 10**7}, 0.05, 2, SLOW) == {"w": "artopk"}
+    # ... and on 2 ranks split_reduce is one allgather of 4-byte entries: one message and half AR-Topk's bytes
+    assert plan_transports({"w": 10**7}, 0.05, 2, SLOW) == {"w": "split_reduce"}
     # Selection costs more than a fast link saves: dense.
     assert plan_transports({"w": 10**6}, 0.01, 2, CPU_BOUND) == {"w": "dense"}
     # Ties go to dense (N = 1: nothing to send, selection still costs).
@@ -86,9 +86,9 @@ ACROSS = SLOW._replace(hosts=HostLink(hosts=2, per_host=2, host_alpha=1e-5, host
 def test_hierarchical_is_modelled_across_hosts_only_and_wins_where_the_link_between_is_slow():
     assert "hierarchical" not in tensor_seconds(10**6, 0.01, 4, SLOW)
     # n = 1e6 (M = 4e6 B), c = 0.01, L = H = 2, r = 1. Host reduce-scatter: α_h + M/2·β_h; across the
-    # hosts split_reduce of the 2 MB shard on 2 ranks: 4α_x + (Mc/2·2 + 520)β_x; host allgather of the
-    # kept rows: 2α_h + Mc/2·3·β_h; one shard's selection σn/2 and two passes 2πn.
-    want = (1e-5 + 2e6 * 1e-10) + (4e-4 + (4e4 + 520) * 1.6e-7) + (2e-5 + 2e4 * 3 * 1e-10) + 1e-3 / 2 + 2e-4
+    # hosts split_reduce of the 2 MB shard on 2 ranks, one allgather of 4-byte entries: α_x + Mc/2·β_x;
+    # host allgather of the kept rows: 2α_h + Mc/2·3·β_h; one shard's selection σn/2 and two passes 2πn.
+    want = (1e-5 + 2e6 * 1e-10) + (1e-4 + 2e4 * 1.6e-7) + (2e-5 + 2e4 * 3 * 1e-10) + 1e-3 / 2 + 2e-4
     assert math.isclose(tensor_seconds(10**6, 0.01, 4, ACROSS)["hierarchical"], want)
     assert plan_transports({"w": 10**7}, 0.01, 4, ACROSS) == {"w": "hierarchical"}
     assert {"w": "hierarchical"} in trial_plans({"w": 10**7}, 0.01, 4, ACROSS)

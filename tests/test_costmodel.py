@@ -83,12 +83,10 @@ def test_choose_artopk_ring_where_split_reduce_latency_outweighs_its_bytes():
 
 
 def test_choose_allgather_over_split_reduce_with_few_workers():
-    # N = 2: both send Mc(1+r) per rank (split_reduce also its histogram), allgather in 1 message
-    # instead of 4: allgather is cheaper on any link.
+    # N = 2: split_reduce runs as one allgather (its two-rank path): the same time on any link
     for beta in (8e-8, 8e-9, 8e-11):
         t = predict(2, 1e8, 0.01, alpha=5e-5, beta=beta)
-        assert t["allgather"] < t["split_reduce"]
-    assert choose(2, 1e8, 0.01, alpha=5e-5, beta=8e-8) == "allgather"
+        assert t["allgather"] == t["split_reduce"] == 5e-5 + 2e6 * beta
     # N = 4 on 10 Gbit/s: allgather = 2α + 3·2Mcβ = 1.06e-4 s, split_reduce = 12α + 1.5·(2Mc + H)β
     # ≈ 6.2e-4 s: the 10 extra messages cost more than the 1.5·2Mc bytes saved.
     t = predict(4, 1e7, 1e-3, alpha=5e-5, beta=8e-10)
@@ -100,14 +98,25 @@ def test_choose_allgather_over_split_reduce_with_few_workers():
 
 
 def test_split_reduce_bytes_per_rank_are_flat_in_workers():
-    # Bandwidth term alone (α = 0): 2(N−1)/N grows from 1 at N = 2 to < 2 at any N, while allgather's
-    # N − 1 grows 1023-fold.
-    two, many = (predict(n, 1e8, 0.01, alpha=0.0, beta=8e-9) for n in (2, 1024))
-    assert many["split_reduce"] < 2 * two["split_reduce"]
-    assert many["split_reduce"] == pytest.approx(2 * 1023 / 1024 * two["split_reduce"], rel=1e-12)
-    assert many["allgather"] == pytest.approx(1023 * two["allgather"], rel=1e-12)
+    # Bandwidth term alone (α = 0): 2(N−1)/N grows from 1.5 at N = 4 to < 2 at any N, while allgather's
+    # N − 1 grows 341-fold.
+    four, many = (predict(n, 1e8, 0.01, alpha=0.0, beta=8e-9) for n in (4, 1024))
+    assert many["split_reduce"] < 4 / 3 * four["split_reduce"]
+    assert many["split_reduce"] == pytest.approx(2 * 1023 / 1024 / 1.5 * four["split_reduce"], rel=1e-12)
+    assert many["allgather"] == pytest.approx(1023 / 3 * four["allgather"], rel=1e-12)
     # Latency alone (β = 0): 4(N−1) messages.
     assert predict(1024, 1e8, 0.01, alpha=1.0, beta=0.0)["split_reduce"] == 4 * 1023
+
+
+def test_packed_entries_price_allgather_and_split_reduce_at_their_bytes():
+    # 4-byte entries (bf16 value, 16-bit index offset) of fp32 values: Mc·4/4 = Mc bytes, half of the
+    # (value, int32 index) rows' 2Mc; artopk's dense k-vector is not packed
+    packed, rows = (predict(4, 1e8, 0.01, alpha=0.0, beta=8e-9, entry_bytes=e) for e in (4, None))
+    assert packed["allgather"] == pytest.approx(rows["allgather"] / 2, rel=1e-12) == 3 * 1e6 * 8e-9
+    assert packed["split_reduce"] == pytest.approx(1.5 * (1e6 + HIST_BYTES) * 8e-9, rel=1e-12)
+    assert packed["artopk_ring"] == rows["artopk_ring"]
+    with pytest.raises(ValueError, match="entry_bytes must be a finite number > 0"):
+        predict(4, 1e8, 0.01, alpha=0.0, beta=8e-9, entry_bytes=0)
 
 
 @pytest.mark.parametrize("n", [2, 16, 256])

@@ -7,7 +7,10 @@ Pure functions over numbers; no Horovod import. Notation: ``alpha`` is the laten
 Sparse transports send the selected values in the gradient's own dtype, so ``M·c`` is the bytes of the
 values, and the matching indices take ``M·c·r`` bytes with ``r = index_bytes / value_bytes``
 (int32 indices with fp32 values: r = 1). For r = 1 every formula below but split_reduce's is the published
-one (docs/costmodel.md); split_reduce's is derived there from its three collectives:
+one (docs/costmodel.md); split_reduce's is derived there from its three collectives. allgather and
+split_reduce pack their entries (``hvd_topk.core.codec``): with ``entry_bytes`` e per entry (value and
+index offset, ``hvd_topk.core.wire.CODEC_ENTRY_BYTES``) their ``Mc(1+r)`` becomes ``Mc·e/value_bytes``.
+With N <= 2 split_reduce is one allgather (its two-rank path), priced as the allgather:
 
 =============  ===========================================  =====================================
 name           seconds                                      what it is
@@ -46,7 +49,7 @@ COLLECTIVES = ("dense_ring", "dense_tree", "artopk_ring", "artopk_tree", "split_
 _TIE_RTOL = 1e-9
 
 
-def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYTES, value_bytes=4):
+def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYTES, value_bytes=4, entry_bytes=None):
     """Modelled communication seconds of every collective (docs/costmodel.md, module docstring).
 
     Args:
@@ -59,6 +62,8 @@ def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BY
         index_bytes: bytes per index on the wire, > 0 (int32: 4).
         value_bytes: bytes per value on the wire, > 0 (float32: 4); only the ratio
             ``index_bytes / value_bytes`` enters, since ``M·c`` already counts the values.
+        entry_bytes: bytes per kept entry of allgather and split_reduce (packed: 4 for bf16 values),
+            > 0; None: a value and an index, ``value_bytes + index_bytes``.
 
     Returns:
         dict name -> seconds (float) for ``"dense_ring"``, ``"dense_tree"``, ``"allgather"``,
@@ -74,20 +79,26 @@ def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BY
         return {name: 0.0 for name in COLLECTIVES}
     log_n = math.log2(n)
     mc = m * c
+    entries = mc * (1 + r) if entry_bytes is None else \
+        mc * check_number("entry_bytes", entry_bytes, low=0, low_open=True) / value_bytes
     ring = 2 * (n - 1) / n       # share of the message each rank sends in a ring allreduce
-    return {
+    times = {
         "dense_ring": 2 * (n - 1) * a + ring * m * b,
         "dense_tree": 2 * a * log_n + 2 * log_n * m * b,
-        "allgather": a * log_n + mc * (1 + r) * b * (n - 1),
+        "allgather": a * log_n + entries * b * (n - 1),
         "artopk_ring": a * (2 * (n - 1) + log_n) + mc * b * (ring + r * log_n),
         "artopk_tree": 3 * a * log_n + mc * b * log_n * (2 + r),
-        # alltoall (N−1 messages) and ring allgatherv (N−1) each carry (N−1)/N of the ~k rows per rank;
-        # the histogram's ring allreduce takes 2(N−1) messages. Flag and padding rows are left out.
-        "split_reduce": 4 * (n - 1) * a + ring * (mc * (1 + r) + HIST_BYTES) * b,
+        # alltoall (N−1 messages) and ring allgatherv (N−1) each carry (N−1)/N of the ~k entries per
+        # rank; the histogram's ring allreduce takes 2(N−1) messages. Frames and headers are left out.
+        "split_reduce": 4 * (n - 1) * a + ring * (entries + HIST_BYTES) * b,
     }
+    if n <= 2:                   # split_reduce's two-rank path: one allgather of every rank's entries
+        times["split_reduce"] = times["allgather"]
+    return times
 
 
-def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYTES, value_bytes=4, candidates=None):
+def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYTES, value_bytes=4, candidates=None,
+           entry_bytes=None):
     """Name of the collective with the smallest modelled time.
 
     Ties (times within a relative 1e-9) go to the candidate listed first in ``COLLECTIVES`` order:
@@ -96,7 +107,8 @@ def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYT
     So at ``n_workers == 1``, where everything costs 0, the answer is the first dense candidate.
 
     Args:
-        n_workers, message_bytes, density, alpha, beta, index_bytes, value_bytes: as for ``predict``.
+        n_workers, message_bytes, density, alpha, beta, index_bytes, value_bytes, entry_bytes: as for
+            ``predict``.
         candidates: names to choose from (a non-empty iterable of names in ``COLLECTIVES``);
             None for all of them.
 
@@ -111,7 +123,7 @@ def choose(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYT
         >>> choose(4, 1e8, 1e-4, alpha=5e-5, beta=8e-11)           # 100 Gbit/s, few workers
         'allgather'
     """
-    times = predict(n_workers, message_bytes, density, alpha, beta, index_bytes, value_bytes)
+    times = predict(n_workers, message_bytes, density, alpha, beta, index_bytes, value_bytes, entry_bytes)
     names = _check_candidates(candidates)
     best = min(times[name] for name in names)
     return next(name for name in names if times[name] <= best * (1 + _TIE_RTOL))

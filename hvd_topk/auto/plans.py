@@ -11,7 +11,9 @@ docs/auto.md). For every compressed tensor (n elements, density c, N ranks) the 
 
 with the communication terms of ``hvd_topk.auto.costmodel``, σ the seconds per element of one exact top-k
 selection and π the seconds per element of one pass over the accumulator (the leader role rotates, so
-each rank selects 1/N of the tensors).
+each rank selects 1/N of the tensors). split_reduce and allgather are priced at ``ENTRY_BYTES`` per kept
+entry (bf16 values and 16-bit index offsets, the transports' default); their latency per tensor, though
+they send a bucket of tensors per collective, so the model overprices them where buckets hold many.
 
 A job across H hosts of L ranks each (``HostLink``, probed over the host sets and the cross sets of
 ``hvd_topk.transports.host_sets``) also has ``hierarchical``, with the host link's α_h, β_h and the
@@ -42,7 +44,11 @@ from typing import NamedTuple, Optional
 
 from . import costmodel
 from .quality import kept_fraction, plan_gain
-from ..core.wire import INDEX_BYTES
+from ..core.wire import CODEC_ENTRY_BYTES, INDEX_BYTES
+
+# allgather and split_reduce pack each entry in bf16 and a 16-bit index offset (TopKSettings' default
+# values; hvd_topk.core.codec): the bytes the cost model prices for them
+ENTRY_BYTES = CODEC_ENTRY_BYTES["bf16"]
 
 __all__ = ["TRANSPORTS", "HIERARCHICAL", "LOWRANK", "TRIAL_SPAN", "HostLink", "Costs", "transports_of",
            "tensor_seconds",
@@ -115,7 +121,7 @@ def tensor_seconds(numel, density, n_workers, costs, value_bytes=4, lowrank=None
     """Modelled seconds of each transport for one tensor (module docstring). dict transport -> s, in
     ``transports_of`` order; ``lowrank``: the tensor's (n, m, r), or None where low rank is no candidate."""
     t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta,
-                          index_bytes=INDEX_BYTES, value_bytes=value_bytes)
+                          index_bytes=INDEX_BYTES, value_bytes=value_bytes, entry_bytes=ENTRY_BYTES)
     select, sweep = costs.select_s * numel, costs.pass_s * numel
     seconds = {"dense": t["dense_ring"],
                "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep,
@@ -148,7 +154,7 @@ def hierarchical_seconds(numel, density, costs, value_bytes=4):
     per_host, m, r = link.per_host, numel * value_bytes, INDEX_BYTES / value_bytes
     scatter = (per_host - 1) * (link.host_alpha + m / per_host * link.host_beta)
     cross = costmodel.predict(link.hosts, m / per_host, density, link.cross_alpha, link.cross_beta,
-                              index_bytes=INDEX_BYTES, value_bytes=value_bytes)["split_reduce"]
+                              index_bytes=INDEX_BYTES, value_bytes=value_bytes, entry_bytes=ENTRY_BYTES)["split_reduce"]
     gather = 2 * link.host_alpha * math.log2(per_host) + \
         (per_host - 1) * m * density / per_host * (1 + 2 * r) * link.host_beta
     return scatter + cross + gather + costs.select_s * numel / per_host + 2 * costs.pass_s * numel
