@@ -13,17 +13,23 @@ Invariants, which tests/test_transports.py checks for every transport on real ra
 2. ``out.sent`` holds the indices of ``acc`` that left this rank (None: all of them). The caller zeroes
    them in the residual, which keeps error feedback exact per rank: Σ sent + residual = Σ grad. The
    aggregate is the sum (or average) over ranks of exactly what they sent.
-   A transport that computes the residual itself (low rank: no entry leaves whole) gives this rank's
-   new residual in ``out.residual`` instead, and ``sent`` None; the caller takes it as it is. Over the
-   ranks, in float64: Σ new residuals + the summed aggregate (the aggregate times the number of ranks
-   when averaging) = Σ acc. Every other transport leaves ``residual`` None.
+   A transport that computes the residual itself gives this rank's new residual in ``out.residual``
+   instead; the caller takes it as it is (``sent`` then only says where momentum correction masks).
+   Low rank does (no entry leaves whole, ``sent`` None), and so do split_reduce and allgather with
+   16-bit values: an entry leaves as its decoded value d (``hvd_topk.core.codec.sent_values``), so
+   the residual keeps ``acc - d`` there, exact in float32; an owner of split_reduce also keeps the
+   rounding of the sums it coded again (``s - coded(s)``) at the indices it kept. Over the ranks, in
+   float64: Σ new residuals + the summed aggregate (the aggregate times the number of ranks when
+   averaging) = Σ acc, up to float32's rounding of the sums (which exact values have too); nothing of
+   what was coded is lost. Exact values ('fp32', float64 accumulators) leave ``residual`` None.
 3. ``started.nbytes`` is the payload this rank handed to the collectives, within the cost model's
    formula for the transport (``hvd_topk.auto.costmodel``).
 4. ``forget()`` drops whatever outlives a step (phases in flight, shared index sets, regions): after an
    elastic reset only an empty start is the same on every rank.
 
-A transport's collectives are named per key, so Horovod matches them across ranks whatever order the
-ranks start them in; a transport whose later phases add collectives runs them in sorted key order.
+A transport's collectives are named per key (a fused transport's per bucket: ``hvd_topk.transports.fused``),
+so Horovod matches them across ranks whatever order the ranks start them in; a transport whose later
+phases add collectives blocks on them in sorted key (bucket) order.
 """
 from typing import Callable, NamedTuple, Optional, Protocol
 
