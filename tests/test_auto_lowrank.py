@@ -65,13 +65,15 @@ def test_each_tensor_takes_its_compressor_and_quality_can_turn_the_choice(hvd):
     quality, sizes = quality_of(hvd, 0.02)
     plan = plan_transports(numels, 0.02, 2, SLOW, lowrank=sizes, quality=quality, weight=0.3)
     assert plan["emb"] in TOPK and plan["fc"] == "lowrank", plan
-    # at density 0.002 Top-K is the fastest for both, by a factor 3.8 on fc; fc's Top-K sends 5% of its
-    # energy: weighed at w = 1, rank 4 (all of it) wins there; at w = 0 (time alone) it does not
+    # at density 0.002 a Top-K transport is the fastest for both, by a factor 3 or more on fc; fc's Top-K
+    # sends 5% of its energy: weighed at w = 1, rank 4 (all of it) wins there; at w = 0 (time alone) not
     quality, _ = quality_of(hvd, 0.002)
-    assert plan_transports(numels, 0.002, 2, SLOW, lowrank=sizes, quality=quality, weight=0.0) == \
-        {"emb": "allgather", "fc": "allgather"}
-    assert plan_transports(numels, 0.002, 2, SLOW, lowrank=sizes, quality=quality, weight=1.0) == \
-        {"emb": "allgather", "fc": "lowrank"}
+    by_time = plan_transports(numels, 0.002, 2, SLOW, lowrank=sizes, quality=quality, weight=0.0)
+    assert by_time["emb"] in TOPK and by_time["fc"] in TOPK, by_time
+    seconds = tensor_seconds(numels["fc"], 0.002, 2, SLOW, lowrank=sizes["fc"])
+    assert seconds["lowrank"] > 3 * seconds[by_time["fc"]]
+    by_j = plan_transports(numels, 0.002, 2, SLOW, lowrank=sizes, quality=quality, weight=1.0)
+    assert by_j == {"emb": by_time["emb"], "fc": "lowrank"}, by_j
     # the trial's plans: the model's, then each uniform one within 4x of its J; all low rank among them
     arms = trial_plans(numels, 0.02, 2, SLOW, lowrank=sizes, quality=quality, weight=0.3)
     assert arms[0] == plan_transports(numels, 0.02, 2, SLOW, lowrank=sizes, quality=quality, weight=0.3)
@@ -148,8 +150,7 @@ def test_on_two_ranks_each_tensor_keeps_its_compressor(results):
     history = first["auto"]["history"]
     tried = re.search(r"trial of (\d) plans", history[0][3])         # how many: the probe's α/β decide
     assert tried and int(tried.group(1)) >= 3 and "kept mixed" in history[-1][3], history
-    quality = first["quality"]
-    assert quality["emb"]["topk"] / quality["emb"]["energy"] > 0.99 > 0.3 > quality["emb"]["lowrank"] / quality["emb"]["energy"]
-    assert quality["fc"]["lowrank"] / quality["fc"]["energy"] > 0.99 > 0.4 > quality["fc"]["topk"] / quality["fc"]["energy"]
+    g = {key: {m: kept_fraction(first["quality"], key, m) for m in ("artopk", "lowrank")} for key in SHAPES}
+    assert g["emb"]["artopk"] > 0.99 > 0.3 > g["emb"]["lowrank"] and g["fc"]["lowrank"] > 0.99 > 0.4 > g["fc"]["artopk"]
     assert all(r["auto"] == first["auto"] and r["quality"] == first["quality"] for r in ranks)
     assert_identical_across_ranks(ranks)

@@ -435,7 +435,7 @@ def hierarchical_2x2(hosts, tmp_path_factory):
     nan_step = 3
     results = _hierarchical_job(hosts, tmp_path_factory.mktemp("hier") / "2x2", hosts.host_list(SLOTS), NP,
                                 ["--steps", 6, "--nan-rank", 3, "--nan-step", nan_step, "--sets-first",
-                                 "--stock-op", "sum", "--auto-steps", 20])
+                                 "--stock-op", "sum", "--auto-steps", 20, "--lowrank-steps", 4])
     return results, nan_step
 
 
@@ -451,6 +451,22 @@ def test_hierarchical_process_sets_error_dynamic_and_registered(hierarchical_2x2
         assert "HOROVOD_DYNAMIC_PROCESS_SETS=1" in error and "hvd_topk.host_process_sets()" in error, error
         host, cross = ((0, 1), (2, 3))[r // SLOTS], (r % SLOTS, r % SLOTS + SLOTS)
         assert sums == [float(sum(host)), float(sum(cross))], (r, sums)
+
+
+def test_low_rank_across_hosts_through_both_doors(hierarchical_2x2):
+    """PowerSGD(rank=2, communication='hierarchical') on the same job, both doors: the P's and Q's summed
+    through the hosts (reduce-scatter in the host, each shard across the hosts, allgather in the host),
+    rank 3's NaN at step 1 skipped everywhere with every residual kept, the doors alike, parameters
+    identical on every rank."""
+    results, _ = hierarchical_2x2
+    for door in ("opt", "stock"):
+        ranks = [res["lowrank"][door] for res in results]
+        assert [r["hosts"] for r in ranks] == [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+        assert [name.rsplit(".", 1)[1] for name, _ in ranks[0]["launches"]] == ["scatter", "cross", "gather"] * 2
+        assert all(r["skipped"] for r in ranks), door
+        assert_identical_across_ranks([{"params": dict(enumerate(r["params"]))} for r in ranks])
+    for opt, stock in zip(results[0]["lowrank"]["opt"]["params"], results[0]["lowrank"]["stock"]["params"]):
+        torch.testing.assert_close(stock, opt, rtol=0, atol=1e-12)
 
 
 def test_auto_across_hosts_probes_both_links_and_tries_hierarchical(hierarchical_2x2):

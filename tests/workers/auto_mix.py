@@ -6,8 +6,9 @@ gradients are exactly the built ones, new every step and rank.
 
 Runs until auto's trial is over (at most ``--steps``), with a short trial (3 steps a turn, 3 to 6 rounds)
 and ``--weight`` as the quality's weight (2: a plan that sends 60% of the energy at once must be 2.8x
-faster to win, so that a busy host's slow spell in one turn does not decide). Every rank writes ``<out>/rank<r>.pt``: the plan after the
-probe, ``opt.auto_state()``, the quality figures, the steps run and the final parameters.
+faster to win, so that a busy host's slow spell in one turn does not decide). Every rank writes
+``<out>/rank<r>.pt``: the plan after the probe, ``opt.auto_state()``, the quality figures, the steps run
+and the final parameters.
 """
 import argparse
 import os

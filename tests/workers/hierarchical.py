@@ -31,6 +31,9 @@ p.add_argument("--sets-first", action="store_true",
                help="before training: hierarchical without registered sets (the error), then with dynamic "
                     "ones (a collective over each), each in its own hvd.init; training then registers "
                     "hvd_topk.host_process_sets() at hvd.init")
+p.add_argument("--lowrank-steps", type=int, default=0,
+               help="then this many steps of low rank across the hosts through both doors (PowerSGD(rank=2, "
+                    "communication='hierarchical')), rank --nan-rank's loss NaN at step 1")
 p.add_argument("--auto-steps", type=int, default=0,
                help="then this many steps of communication='auto': the probe of both links, the model's plan, "
                     "then a short trial of flat split_reduce against hierarchical")
@@ -158,8 +161,58 @@ with warnings.catch_warnings(record=True) as seen:
 
     auto = auto_door(args.auto_steps) if args.auto_steps else None
 
+    def lowrank_doors(steps):
+        """PowerSGD across the hosts, both doors side by side (Average each): per door the transport's
+        hosts, whether the NaN step left every parameter and residual as it was, the final parameters."""
+        out = {}
+        models = {}
+        for door in ("opt", "stock"):
+            torch.manual_seed(1234 + hvd.rank())
+            model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+            named = [(f"lowrank.{n}", q) for n, q in model.named_parameters()]      # the same keys: the same Q's
+            base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            if door == "opt":
+                opt = hvd_topk.DistributedOptimizer(base, named_parameters=named, compression=hvd_topk.PowerSGD(
+                    rank=2, communication="hierarchical"))
+                transport, residuals = opt._hvd_topk.transports["hierarchical"], opt._hvd_topk.residuals.residuals
+            else:
+                comp = hvd_topk.PowerSGD(rank=2, named_parameters=named, communication="hierarchical")
+                opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=comp)
+                transport, residuals = None, comp.memory.residuals
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            models[door] = (model, opt, residuals, comp if door == "stock" else None)
+            out[door] = {"transport": transport}
+        for step in range(steps):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100_000 * hvd.rank() + step))
+            for door, (model, opt, residuals, comp) in models.items():
+                opt.zero_grad()
+                loss = ((model(x) - x @ w_true) ** 2).mean()
+                if step == 1 and hvd.rank() == args.nan_rank:
+                    loss = loss * float("nan")
+                loss.backward()
+                before = [q.detach().clone() for q in model.parameters()]
+                kept = {k: None if v is None else v.clone() for k, v in residuals.items()}
+                opt.synchronize()
+                with opt.skip_synchronize(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    if all(torch.isfinite(q.grad).all() for q in model.parameters()):
+                        opt.step()
+                if step == 1:
+                    out[door]["skipped"] = all(torch.equal(a, q) for a, q in zip(before, model.parameters())) and \
+                        all((v is None and kept[k] is None) or torch.equal(v, kept[k]) for k, v in residuals.items())
+        out["stock"]["transport"] = models["stock"][3].transport      # built at its first compress
+        for door, (model, *_) in models.items():
+            t = out[door]["transport"]
+            out[door] = dict(skipped=out[door].get("skipped"), params=[q.detach().clone() for q in model.parameters()],
+                             hosts=None if t.hosts is None else (t.hosts.host.ranks, t.hosts.cross.ranks),
+                             launches=list(t.launches))
+        return out
+
+    lowrank = lowrank_doors(args.lowrank_steps) if args.lowrank_steps else None
+
 result = {"params": {door: {n: q.detach().clone() for n, q in m.named_parameters()} for door, (m, *_) in doors.items()},
           "record": record, "elapsed_s": elapsed, "checked": checked, "ratio_one": ratio_one_params, "auto": auto,
+          "lowrank": lowrank,
           "warnings": [str(w.message) for w in seen],
           "transports": {door: type(t).__name__ for door, (*_, t) in doors.items()},
           "sets": {door: None if not hasattr(t, "sets") else (t.sets.host.ranks, t.sets.cross.ranks, t.sets.position)

@@ -86,7 +86,8 @@ def one_step(transport, scenario, step, residual, dtypes):
     for key in starts:
         g = gradient(scenario, key, step, dtypes[key])
         acc = g.reshape(-1) + residual[key]
-        if scenario in ("main", "resume", "hosts", "flat") and step == args.nan_step and hvd.rank() == 1 and key in ("fc", "bias"):
+        if scenario in ("main", "resume", "hosts", "flat") and step == args.nan_step and hvd.rank() == 1 \
+                and key in ("fc", "bias"):
             acc[3] = float("nan")
         q_before = transport.state_dict()["q"].get(key)
         started[key] = (transport.start(key, acc, None, bool(torch.isfinite(acc).all())), acc, g, q_before)
