@@ -194,3 +194,26 @@ def test_pinned_tensors_take_their_transport_and_one_host_falls_back(hvd):
                                             compression=hvd_topk.PowerSGD(communication="hierarchical"))
     assert opt._hvd_topk.transports["hierarchical"] is opt._hvd_topk.transports["lowrank"]
     assert [str(w.message) for w in seen if "runs the flat transport: one host" in str(w.message)]
+
+
+def test_a_checkpoint_of_another_rank_is_refused(hvd):
+    """The Q's of PowerSGD(rank=2) cannot warm-start rank 4: refused before anything is loaded."""
+    def trained(rank):
+        model = _model()
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(),
+                                            compression=hvd_topk.PowerSGD(rank=rank))
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        opt.step()
+        return opt
+    saved = trained(2).state_dict()
+    assert list(saved["hvd_topk"]["transports"]["lowrank"]["q"]) == ["0.weight"]
+    other = trained(4)
+    before = other._hvd_topk.transports["lowrank"].q["0.weight"].clone()
+    with pytest.raises(ValueError, match=r"PowerSGD\(rank=2\) .* has rank=4: resume with the same rank"):
+        other.load_state_dict(saved)
+    assert torch.equal(other._hvd_topk.transports["lowrank"].q["0.weight"], before)
+    same = trained(2)
+    same.load_state_dict(saved)
+    assert torch.equal(same._hvd_topk.transports["lowrank"].q["0.weight"],
+                       saved["hvd_topk"]["transports"]["lowrank"]["q"]["0.weight"])
