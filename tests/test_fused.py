@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_identical_across_ranks, job
-from hvd_topk.core.buckets import cap_numel, flag_of, frame, plan_buckets, read_frames, signature, wire_kind
+from hvd_topk.core.buckets import cap_numel, flag_of, frame, offsets, plan_buckets, read_frame, signature, wire_kind
 from hvd_topk.core.codec import pack, unpack
 from hvd_topk.step.stats import StepStats, hidden_share
 
@@ -72,21 +72,24 @@ def test_the_wire_kind_keeps_float64_and_16_bit_accumulators_whole():
         wire_kind(torch.float32, "int8")
 
 
-def test_frames_laid_end_to_end_read_back_with_their_signatures_and_flags():
+def test_a_bucket_buffer_reads_back_with_its_signature_flags_and_messages():
     values = torch.tensor([3.0, -1.0, 0.5])
-    empty = pack(values[:0], torch.tensor([], dtype=torch.long), 10, 20, "fp16")
-    parts = [frame(signature("w", 100, 0, 100), flag_of(values, True), pack(values, torch.tensor([7, 1, 99]), 0, 100)),
-             frame(signature("b", 20, 10, 20), flag_of(values, False), empty)]
-    buf = torch.cat(parts + [torch.zeros(4, dtype=torch.uint8)])          # whatever follows is not read
-    frames, used = read_frames(buf, [100, 10])
-    assert used == buf.numel() - 4
-    assert [f[0] for f in frames] == [signature("w", 100, 0, 100), signature("b", 20, 10, 20)]
-    assert frames[0][1] == 3.0 and frames[1][1] == float("inf")
-    got, at = unpack(frames[0][2], 0, 100)
+    starts, total = offsets([100, 20])                        # "w" at 0, "b" at 100: 120 indices
+    messages = [pack(values, torch.tensor([7, 1, 99]), 0, total),
+                pack(values[:1].double(), torch.tensor([starts[1] + 4]), 0, total, "fp64")]
+    sig = signature("allgather", ("w", "b"), (100, 20))
+    buf = torch.cat([frame(sig, [flag_of(values, True), flag_of(values, False)], messages),
+                     torch.zeros(4, dtype=torch.uint8)])      # whatever follows is not read
+    got_sig, flags, found, used = read_frame(buf, 2, total)
+    assert used == buf.numel() - 4 and got_sig == sig and flags.tolist() == [3.0, float("inf")]
+    got, at = unpack(found[0], 0, total)
     assert at.tolist() == [1, 7, 99] and got.tolist() == [-1.0, 3.0, 0.5]
-    assert signature("w", 100, 0, 100) != signature("w", 101, 0, 100) != signature("w", 100, 0, 50)
-    with pytest.raises(ValueError, match="ends inside frame 1"):
-        read_frames(buf[:parts[0].numel() + 4], [100, 10])
+    assert unpack(found[1], 0, total)[1].tolist() == [104]
+    assert signature("w", 100) != signature("w", 101) != signature("b", 100)
+    with pytest.raises(ValueError, match="ends inside message 1"):
+        read_frame(buf[:used - 8], 2, total)
+    with pytest.raises(ValueError, match="ends inside a frame"):
+        read_frame(buf[:12], 2, total)
 
 
 def test_hidden_share_counts_overlapping_flights_once():

@@ -11,7 +11,7 @@ import hvd_topk
 from hvd_topk import TopKEF
 from hvd_topk.core.codec import packed_nbytes
 from hvd_topk.core.sparsify import k_for
-from hvd_topk.core.wire import FRAME_BYTES
+from hvd_topk.core.wire import FLAG_BYTES, FRAME_BYTES
 
 from testbed.launch import JobFailed
 from testbed.pytest_jobs import Out
@@ -239,9 +239,9 @@ def test_stats_and_tensorboard_writer(hvd, tmp_path):
     assert stats["bytes_sent"] == (100 + 1) * 4          # k fp32 values + the finite flag
     assert 0 < stats["compression_gain"] < 1 and stats["residual_norm"] > 0
     split = one_step("split_reduce")
-    # one rank: one allgather of a frame (signature, flag) and a codec message of k bf16 values and 16-bit
-    # offsets (8-byte header, one block: no counts), 4.16 bytes per entry; it keeps all of its top-k
-    assert split["bytes_sent"] == FRAME_BYTES + packed_nbytes(100, 5000, "bf16") == 8 + 8 + 2 * 100 + 2 * 100
+    # one rank: one allgather of a frame (signature, count, one flag) and a codec message of k bf16 values
+    # and 16-bit offsets (8-byte header, one block: no counts), 4.2 bytes per entry; it keeps all its top-k
+    assert split["bytes_sent"] == FRAME_BYTES + FLAG_BYTES + packed_nbytes(100, 5000, "bf16") == 12 + 8 + 4 * 100
     assert split["split_kept"] == 100 and split["split_imbalance"] == 1.0
     assert split["collectives_gather"] == 1 and split["time_step_s"] == 0.0       # the first step: no window
     assert split["time_pack_s"] > 0 and split["time_select_s"] > 0

@@ -7,11 +7,12 @@
 - ``wire_kind``: the codec's value kind (``hvd_topk.core.codec``) for an accumulator's dtype and the
   ``values`` setting: 16 bits by default where the gradient is float32; fp32 with ``values='fp32'``;
   float64 accumulators go unchanged ('fp64'); float16 and bfloat16 ones in their own 16 bits.
-- ``frame`` / ``read_frames``: one tensor's part of a bucket's buffer for one destination: an 8-byte
-  frame (int32 ``signature`` of the key, its size and the index range; float32 flag) and one codec
-  message. The signature lets a receiver refuse a buffer that another rank filled with other tensors
-  (other keys, sizes or index regions) instead of reading it wrongly; the flag is the sender's largest
-  |value| sent, or inf when its accumulator was not finite.
+- ``frame`` / ``read_frame``: a bucket's buffer for one destination: a frame (an int32 ``signature`` of
+  the bucket's keys, sizes and index ranges, the count of its tensors, a float32 flag per tensor) and
+  one codec message per value kind present, over the bucket's index space (``offsets``: its tensors
+  laid end to end). The signature lets a receiver refuse a buffer that another rank filled with other
+  tensors (other keys, sizes or index regions) instead of reading it wrongly; a tensor's flag is the
+  sender's largest |value| sent, or inf when its accumulator was not finite.
 """
 import zlib
 
@@ -19,9 +20,10 @@ import torch
 
 from .codec import VALUE_KINDS, message_nbytes
 from .validate import check_choice, check_int
-from .wire import FRAME_BYTES
+from .wire import FLAG_BYTES, FRAME_BYTES
 
-__all__ = ["plan_buckets", "cap_numel", "wire_kind", "wire_dtype", "signature", "frame", "read_frames", "flag_of"]
+__all__ = ["plan_buckets", "cap_numel", "wire_kind", "wire_dtype", "signature", "offsets", "frame", "read_frame",
+           "flag_of"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -84,40 +86,55 @@ def wire_dtype(kind):
     return torch.float64 if kind == "fp64" else torch.float32
 
 
-def signature(key, numel, lo, hi):
-    """An int32 fingerprint of a tensor's key, its size and a message's index range (identical on all ranks)."""
-    return zlib.crc32(repr((key, int(numel), int(lo), int(hi))).encode()) & 0x7FFF_FFFF
+def signature(*parts):
+    """An int32 fingerprint of ``parts`` (the keys, sizes, index ranges of a message), identical on all ranks."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
+
+
+def offsets(numels):
+    """Where each tensor starts in a bucket's index space (its tensors laid end to end), and the total.
+
+    Example:
+        >>> offsets([3, 5])
+        ([0, 3], 8)
+    """
+    starts, total = [], 0
+    for n in numels:
+        starts.append(total)
+        total += int(n)
+    return starts, total
 
 
 def flag_of(values, finite):
-    """A frame's flag: the largest |value| of ``values`` (capped to float32's largest), or inf if not finite."""
+    """A tensor's flag: the largest |value| of ``values`` (capped to float32's largest), or inf if not finite."""
     if not finite:
         return float("inf")
     return min(float(values.abs().max()), _FLOAT32_MAX) if values.numel() else 0.0
 
 
-def frame(sig, flag, message):
-    """uint8: the 8-byte frame (int32 ``sig``, float32 ``flag``) followed by the codec ``message``."""
-    head = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-    head[:4].view(torch.int32)[0] = sig
-    head[4:].view(torch.float32)[0] = flag
-    return torch.cat([head, message])
+def frame(sig, flags, messages):
+    """uint8: the frame (int32 ``sig``, int32 count, a float32 flag per tensor) and the codec ``messages``."""
+    head = torch.empty(FRAME_BYTES + FLAG_BYTES * len(flags), dtype=torch.uint8)
+    head[:FRAME_BYTES].view(torch.int32).copy_(torch.tensor([sig, len(flags)], dtype=torch.int32))
+    head[FRAME_BYTES:].view(torch.float32).copy_(torch.tensor(flags, dtype=torch.float32))
+    return torch.cat([head] + list(messages))
 
 
-def read_frames(buf, spans):
-    """The frames at the front of ``buf``, one per span: ([(sig, flag, message)], bytes read).
-
-    Raises ValueError where ``buf`` ends before its frames do."""
-    frames, at = [], 0
-    for span in spans:
-        if at + FRAME_BYTES > buf.numel():
-            raise ValueError(f"buf ends inside frame {len(frames)}: {buf.numel()} bytes")
-        head = buf[at:at + FRAME_BYTES].clone()
-        size = message_nbytes(buf[at + FRAME_BYTES:], span)
-        end = at + FRAME_BYTES + size
+def read_frame(buf, messages, span):
+    """The frame at the front of ``buf`` and its ``messages`` codec messages of a range ``span`` long:
+    (sig, float64 flags, [message], bytes read). ValueError where ``buf`` ends before they do."""
+    if buf.numel() < FRAME_BYTES:
+        raise ValueError(f"buf ends inside a frame: {buf.numel()} bytes")
+    sig, count = buf[:FRAME_BYTES].clone().view(torch.int32).tolist()
+    at = FRAME_BYTES + FLAG_BYTES * count
+    if count < 0 or at > buf.numel():
+        raise ValueError(f"buf ends inside a frame of {count} flags: {buf.numel()} bytes")
+    flags = buf[FRAME_BYTES:at].clone().view(torch.float32).double()
+    found = []
+    for _ in range(messages):
+        end = at + message_nbytes(buf[at:], span)
         if end > buf.numel():
-            raise ValueError(f"buf ends inside frame {len(frames)}: {buf.numel()} bytes, it needs {end}")
-        frames.append((int(head[:4].view(torch.int32)[0]), float(head[4:].view(torch.float32)[0]),
-                       buf[at + FRAME_BYTES:end]))
+            raise ValueError(f"buf ends inside message {len(found)}: {buf.numel()} bytes, it needs {end}")
+        found.append(buf[at:end])
         at = end
-    return frames, at
+    return sig, flags, found, at

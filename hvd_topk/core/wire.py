@@ -4,7 +4,8 @@ The cost model (``hvd_topk.auto.costmodel``) prices the bytes the transports sen
 a change to a transport's message changes its price too.
 """
 __all__ = ["INDEX_BYTES", "HIST_BINS", "HIST_BYTES", "CODEC_BLOCK", "CODEC_HEADER_BYTES", "CODEC_OFFSET_BYTES",
-           "CODEC_VALUE_BYTES", "CODEC_ENTRY_BYTES", "FRAME_BYTES"]
+           "CODEC_VALUE_BYTES", "CODEC_ENTRY_BYTES", "FRAME_BYTES",
+           "FLAG_BYTES"]
 
 INDEX_BYTES = 4        # the sparse transports send int32 indices: half the bytes of int64
 HIST_BINS = 128        # split_reduce's magnitude histogram: 32 octaves below the largest possible sum
@@ -19,6 +20,8 @@ CODEC_OFFSET_BYTES = 2            # per entry: its index's offset within its blo
 CODEC_VALUE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}      # per entry, by value kind
 # Per entry, headers and block counts aside (they add 2-4 bytes per 65,536 indices of the range)
 CODEC_ENTRY_BYTES = {kind: size + CODEC_OFFSET_BYTES for kind, size in CODEC_VALUE_BYTES.items()}
-# A fused bucket frames each tensor's message for each destination (hvd_topk.core.buckets): an int32
-# signature of the key, its size and range, and a float32 flag (the largest |value| sent, or inf)
+# A fused bucket's buffer for one destination starts with a frame (hvd_topk.core.buckets): an int32
+# signature of its keys, sizes and ranges and an int32 count, then a float32 flag per tensor (the largest
+# |value| sent, or inf)
 FRAME_BYTES = 8
+FLAG_BYTES = 4

@@ -78,6 +78,10 @@ class StepStats:
         if self.sync_start is None:
             self.sync_start = self.clock()
 
+    def add_bytes(self, nbytes):
+        """Bytes a fused bucket adds to its tensors' entries: its frames and message headers."""
+        self.bytes_sent += nbytes
+
     def add_time(self, part, seconds):
         """Seconds of our own work: 'select', 'pack', 'unpack' or 'optimizer'."""
         self.times[part] += seconds

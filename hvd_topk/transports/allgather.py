@@ -2,46 +2,77 @@
 
 Why it is correct: each rank receives every rank's (values, indices) and adds them into the same zero
 vector in the same order (rank by rank), so the aggregate is identical everywhere and is the sum of
-exactly what the ranks' values decoded to. Each rank's flag rides in its frame (``hvd_topk.core.buckets``):
-inf when its accumulator was not finite, and then every rank returns None for that tensor.
+exactly what the ranks' values decoded to. Each rank's flag per tensor rides in its frame
+(``hvd_topk.core.buckets``): inf when its accumulator was not finite, and then every rank returns None
+for that tensor.
 
-The tensors of a bucket (``hvd_topk.transports.fused``) travel in one allgather: each as a frame and a
-codec message of its top-k over [0, n), about 4 bytes per entry with 16-bit values (``values``). Bytes
-per rank grow with the number of ranks: it receives (P - 1) messages of k entries.
+The tensors of a bucket (``hvd_topk.transports.fused``) travel in one allgather as one frame and one
+codec message per value kind over the bucket's index space (its tensors laid end to end): about 4
+bytes per entry with 16-bit values (``values``), one pack and one unpack per rank for the whole bucket.
+Bytes per rank grow with the number of ranks: it receives (P - 1) messages of the bucket's entries.
 
 Error feedback with 16-bit values: the residual keeps ``acc - sent_values(acc)`` at the sent entries
 (exact in float32, ``hvd_topk.core.codec.sent_values``), so Σ sent + residual = Σ grad holds for what
 the receivers decoded; with lossless values (``'fp32'``, float64 accumulators) the sent entries are
 zeroed as before, and the sums are the same, in the same order, as with 8-byte (value, index) rows.
+``Started.nbytes`` counts a tensor's entries and its flag per destination; the bucket's frame and
+message headers go to ``stats`` when the bucket leaves.
 """
 import time
 
 import torch
 from horovod.torch import mpi_ops
 
-from ..core.buckets import flag_of, frame, read_frames, signature, wire_dtype, wire_kind
+from ..core.buckets import flag_of, frame, offsets, read_frame, signature, wire_dtype, wire_kind
 from ..core.codec import pack, sent_values, unpack
 from ..core.sparsify import sq_norm_finite, topk_indices
+from ..core.wire import CODEC_ENTRY_BYTES, FLAG_BYTES
 from .base import Outcome, Started
 from .fused import Buckets
 
-__all__ = ["SparseAllgather", "coded_residual", "mismatch_error"]
+__all__ = ["SparseAllgather", "LOSSLESS", "mismatch_error", "bucket_buffer", "read_ranks", "kinds_of"]
 
 LOSSLESS = ("fp32", "fp64")
 
 
-def coded_residual(acc, indices, wire_values, kind):
-    """The new residual where ``acc``'s entries at ``indices`` left as ``wire_values`` coded in ``kind``:
-    ``acc`` with ``acc - decoded`` there (in place); None for a lossless kind (the caller zeroes them)."""
-    if kind in LOSSLESS:
-        return None
-    return acc.index_put_((indices,), acc.index_select(0, indices) - sent_values(wire_values, kind).to(acc.dtype))
-
-
-def mismatch_error(key, numel, hint):
+def mismatch_error(keys, hint):
     """The ValueError every rank raises when the ranks' buffers hold other tensors than its own."""
-    return ValueError(f"hvd_topk: the ranks sent different tensors under {key!r} ({numel} elements on this rank; "
-                      f"another key, size or index region): {hint or 'every rank must step the same model'}")
+    return ValueError(f"hvd_topk: the ranks sent different tensors in the bucket of {list(keys)!r} (another key, "
+                      f"size or index region): {hint or 'every rank must step the same model'}")
+
+
+def kinds_of(items):
+    """The value kinds of a bucket's tensors, sorted: one message each."""
+    return sorted({item["kind"] for item in items.values()})
+
+
+def bucket_buffer(sig, items, starts, total, part):
+    """One destination's buffer of a bucket (frame, then a message per kind over [0, total)) and each key's
+    decoded values of it (None for lossless kinds). ``part(key) -> (local indices, wire values)``, sorted."""
+    position, messages, decoded = {key: i for i, key in enumerate(items)}, [], {}
+    for kind in kinds_of(items):
+        mine = [key for key in items if items[key]["kind"] == kind]
+        parts = [part(key) for key in mine]
+        values = torch.cat([v for _, v in parts])
+        messages.append(pack(values, torch.cat([i + starts[position[key]] for key, (i, _) in zip(mine, parts)]),
+                             0, total, kind))
+        coded = None if kind in LOSSLESS else sent_values(values, kind).split([v.numel() for _, v in parts])
+        decoded.update({key: None if coded is None else coded[j] for j, key in enumerate(mine)})
+    return frame(sig, [item["flag"] for item in items.values()], messages), decoded
+
+
+def read_ranks(gathered, messages, total, ranks):
+    """Every rank's (sig, flags, messages) from an allgather of ``bucket_buffer``s, or None where they
+    do not fit."""
+    per_rank, at = [], 0
+    try:
+        for _ in range(ranks):
+            sig, flags, found, used = read_frame(gathered[at:], messages, total)
+            per_rank.append((sig, flags, found))
+            at += used
+    except ValueError:
+        return None
+    return per_rank if at == gathered.numel() else None
 
 
 class SparseAllgather:
@@ -52,7 +83,7 @@ class SparseAllgather:
         average: divide the sum by the number of ranks (Horovod's Average).
         values: 'bf16', 'fp16' or 'fp32': how float32 values go on the wire (``core.buckets.wire_kind``).
         name: prefix of the collectives' names (distinct per optimizer or TopKEF, identical on all ranks).
-        stats: ``StepStats`` that records the phases, or None.
+        stats: ``StepStats`` that records the phases and the buckets' headers, or None.
         mismatch_hint: what the error says to do when the ranks' tensors differ under one key.
     """
 
@@ -67,56 +98,49 @@ class SparseAllgather:
 
     def start(self, key, acc, k, finite, grad=None, step=None, k_next=None):
         n = acc.numel()
-        indices = torch.arange(n, device=acc.device) if k == n else topk_indices(acc, k)
-        values = acc.index_select(0, indices)
+        sel = torch.arange(n, device=acc.device) if k == n else topk_indices(acc, k).sort().values
+        values = acc.index_select(0, sel)
         kind = wire_kind(acc.dtype, self.values)
-        t0 = time.perf_counter()
         wire_values = values.to(wire_dtype(kind))
-        chunk = frame(signature(key, n, 0, n), flag_of(wire_values, finite), pack(wire_values, indices, 0, n, kind))
-        if self.stats is not None:
-            self.stats.add_time("pack", time.perf_counter() - t0)
-        self.buckets.add(key, (chunk, acc, indices, wire_values, kind))
-        return Started(chunk.numel(), sq_norm_finite(values)[0],
+        self.buckets.add(key, dict(acc=acc, sel=sel, wire_values=wire_values, kind=kind, flag=flag_of(wire_values, finite)))
+        return Started(k * CODEC_ENTRY_BYTES[kind] + FLAG_BYTES, sq_norm_finite(values)[0],
                        lambda: self.buckets.finish(key, self.collectives.start_pending))
 
     def _phases(self, name, items):
-        """The bucket's one phase: one allgather of every key's frame (``fused.Buckets``)."""
-        ps = self.collectives.process_set
-        gathered = yield "gather", mpi_ops.allgather_async(torch.cat([item[0] for item in items.values()]),
-                                                           name=name, process_set=ps)
+        """The bucket's one phase: one allgather of every rank's buffer (``fused.Buckets``)."""
+        ps, keys, t0 = self.collectives.process_set, list(items), time.perf_counter()
+        starts, total = offsets(items[key]["acc"].numel() for key in keys)
+        sig = signature("allgather", tuple(keys), tuple(items[key]["acc"].numel() for key in keys))
+        buf, decoded = bucket_buffer(sig, items, starts, total, lambda key: (items[key]["sel"], items[key]["wire_values"]))
+        if self.stats is not None:
+            self.stats.add_time("pack", time.perf_counter() - t0)
+            self.stats.add_bytes(buf.numel() - sum(items[key]["sel"].numel() * CODEC_ENTRY_BYTES[items[key]["kind"]]
+                                                   + FLAG_BYTES for key in keys))
+        gathered = yield "gather", mpi_ops.allgather_async(buf, name=name, process_set=ps)
         t0 = time.perf_counter()
-        keys = list(items)
-        per_rank = read_ranks(gathered, [items[key][1].numel() for key in keys], ps.size())
+        kinds = kinds_of(items)
+        per_rank = read_ranks(gathered, len(kinds), total, ps.size())
+        if per_rank is None or any(sig_ != sig or flags.numel() != len(keys) for sig_, flags, _ in per_rank):
+            raise mismatch_error(keys, self.mismatch_hint)
+        sums = {kind: torch.zeros(total, dtype=wire_dtype(kind)) for kind in kinds}
+        for _, _, messages in per_rank:                  # rank by rank: the same order everywhere
+            for kind, message in zip(kinds, messages):
+                got, at = unpack(message, 0, total)
+                sums[kind].index_add_(0, at, got)
         outcomes = {}
         for i, key in enumerate(keys):
-            _, acc, indices, wire_values, kind = items[key]
-            n = acc.numel()
-            if per_rank is None or any(frames[i][0] != signature(key, n, 0, n) for frames in per_rank):
-                raise mismatch_error(key, n, self.mismatch_hint)
-            sent = None if indices.numel() == n else indices
-            if any(not frames[i][1] < float("inf") for frames in per_rank):
+            item = items[key]
+            acc, sel, n = item["acc"], item["sel"], item["acc"].numel()
+            sent = None if sel.numel() == n else sel
+            if any(not float(flags[i]) < float("inf") for _, flags, _ in per_rank):
                 outcomes[key] = Outcome(None, sent)
                 continue
-            aggregate = torch.zeros(n, dtype=acc.dtype, device=acc.device)
-            for frames in per_rank:
-                got, at = unpack(frames[i][2], 0, n)
-                aggregate.index_add_(0, at.to(acc.device), got.to(device=acc.device, dtype=acc.dtype))
+            aggregate = sums[item["kind"]][starts[i]:starts[i] + n].to(device=acc.device, dtype=acc.dtype, copy=True)
             if self.average:
                 aggregate.mul_(1.0 / ps.size())
-            outcomes[key] = Outcome(aggregate, sent, residual=coded_residual(acc, indices, wire_values, kind))
+            residual = None if decoded[key] is None else \
+                acc.index_put_((sel,), acc.index_select(0, sel) - decoded[key].to(acc.dtype))
+            outcomes[key] = Outcome(aggregate, sent, residual=residual)
         if self.stats is not None:
             self.stats.add_time("unpack", time.perf_counter() - t0)
         return outcomes
-
-
-def read_ranks(gathered, spans, ranks):
-    """Every rank's frames (one per span) from an allgather's output, or None where they do not fit."""
-    per_rank, at = [], 0
-    try:
-        for _ in range(ranks):
-            frames, used = read_frames(gathered[at:], spans)
-            per_rank.append(frames)
-            at += used
-    except ValueError:
-        return None
-    return per_rank if at == gathered.numel() else None

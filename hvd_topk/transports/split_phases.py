@@ -7,11 +7,11 @@ import time
 import torch
 from horovod.torch import mpi_ops
 
-from ..core.buckets import read_frames, signature, wire_dtype
+from ..core.buckets import offsets, read_frame, signature, wire_dtype
 from ..core.codec import message_nbytes, pack, sent_values, unpack
 from ..core.sparsify import topk_indices
-from ..core.wire import HIST_BINS
-from .allgather import LOSSLESS, mismatch_error, read_ranks
+from ..core.wire import CODEC_ENTRY_BYTES, FLAG_BYTES, HIST_BINS
+from .allgather import LOSSLESS, bucket_buffer, kinds_of, mismatch_error, read_ranks
 from .base import Outcome
 
 __all__ = ["HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "sum_candidates", "gathered", "owned"]
@@ -61,23 +61,48 @@ def owners_share(hist, counts, bins, sums, k):
     return keep
 
 
+def _layout(items, *tagged):
+    """(the keys, where each starts in the bucket's index space, its total, the signature of the keys,
+    their sizes and ``tagged``)."""
+    keys = list(items)
+    numels = tuple(items[key]["acc"].numel() for key in keys)
+    starts, total = offsets(numels)
+    return keys, starts, total, signature("split_reduce", tuple(keys), numels, *tagged)
+
+
+def _key_slice(candidates, start, n):
+    """The positions of the sorted bucket indices ``candidates`` that fall in [start, start + n)."""
+    lo, hi = torch.searchsorted(candidates, torch.tensor([start, start + n])).tolist()
+    return slice(lo, hi)
+
+
+def _entries_bytes(items):
+    return sum(item["sel"].numel() * CODEC_ENTRY_BYTES[item["kind"]] + FLAG_BYTES for item in items.values())
+
+
 def gathered(sr, name, items):
-    """1 or 2 ranks: every rank's frames to every rank; each sums and keeps the same entries."""
-    ps, keys = sr.collectives.process_set, list(items)
-    gathered = yield "gather", mpi_ops.allgather_async(torch.cat([items[key]["chunks"][0] for key in keys]),
-                                                       name=f"{name}.gather", process_set=ps)
-    t0 = time.perf_counter()
-    per_rank = read_ranks(gathered, [items[key]["acc"].numel() for key in keys], ps.size())
+    """1 or 2 ranks: every rank's bucket buffer to every rank; each sums and keeps the same entries."""
+    ps, t0 = sr.collectives.process_set, time.perf_counter()
+    keys, starts, total, sig = _layout(items)
+    buf, decoded = bucket_buffer(sig, items, starts, total, lambda key: (items[key]["sel"], items[key]["wire_values"]))
+    _add(sr, "pack", t0, buf.numel() - _entries_bytes(items))
+    received = yield "gather", mpi_ops.allgather_async(buf, name=f"{name}.gather", process_set=ps)
+    t0, kinds = time.perf_counter(), kinds_of(items)
+    per_rank = read_ranks(received, len(kinds), total, ps.size())
+    if per_rank is None or any(sig_ != sig or flags.numel() != len(keys) for sig_, flags, _ in per_rank):
+        raise mismatch_error(keys, sr.mismatch_hint)
+    summed = {kind: sum_candidates([unpack(messages[j], 0, total) for _, _, messages in per_rank], wire_dtype(kind))
+              for j, kind in enumerate(kinds)}
     outcomes = {}
     for i, key in enumerate(keys):
         item = items[key]
         acc, n = item["acc"], item["acc"].numel()
-        if per_rank is None or any(frames[i][0] != signature(key, n, 0, n) for frames in per_rank):
-            raise mismatch_error(key, n, sr.mismatch_hint)
-        if any(not frames[i][1] < math.inf for frames in per_rank):
+        if any(not float(flags[i]) < math.inf for _, flags, _ in per_rank):
             outcomes[key] = Outcome(None, None)
             continue
-        candidates, sums = sum_candidates([unpack(frames[i][2], 0, n) for frames in per_rank], acc.dtype)
+        candidates, sums = summed[item["kind"]]
+        part = _key_slice(candidates, starts[i], n)
+        candidates, sums = candidates[part] - starts[i], sums[part].to(acc.dtype)
         most = max(item["k"], int(sr.budget * item["k"]))
         if candidates.numel() > most:
             chosen = topk_indices(sums, most)
@@ -86,108 +111,135 @@ def gathered(sr, name, items):
         aggregate[candidates.to(acc.device)] = sums.to(acc.device)
         if sr.stats is not None:
             sr.stats.add_split(candidates.numel(), candidates.numel() / ps.size(), ps.size(), 0)
-        outcomes[key] = sr._outcome(item, aggregate, candidates, None)
-    if sr.stats is not None:
-        sr.stats.add_time("unpack", time.perf_counter() - t0)
+        outcomes[key] = sr._outcome(item, aggregate, candidates, decoded[key])
+    _add(sr, "unpack", t0)
     return outcomes
+
 
 def owned(sr, name, items):
     """3 ranks or more: the alltoall to the owners, the histograms' allreduce, the kept sums' allgather."""
-    ps, keys = sr.collectives.process_set, list(items)
+    ps, t0 = sr.collectives.process_set, time.perf_counter()
     me, ranks = ps.rank(), ps.size()
-    sends = [torch.cat([items[key]["chunks"][o] for key in keys]) for o in range(ranks)]
+    keys, starts, total, _ = _layout(items)
+    sends, parts = [], {key: [] for key in keys}
+    for o in range(ranks):                                  # owner o's buffer: its regions of every key
+        def part(key, o=o):
+            a, b = items[key]["cuts"][o:o + 2]
+            return items[key]["sel"][a:b], items[key]["wire_values"][a:b]
+        buf, decoded = bucket_buffer(_layout(items, _regions(items, o))[3], items, starts, total, part)
+        sends.append(buf)
+        for key in keys:
+            parts[key].append(decoded[key])
+    decoded = {key: None if parts[key][0] is None else torch.cat(parts[key]) for key in keys}
+    _add(sr, "pack", t0, sum(b.numel() for b in sends) - _entries_bytes(items))
     output, received = yield "split", mpi_ops.alltoall_async(
-        torch.cat(sends), splits=torch.tensor([s.numel() for s in sends], dtype=torch.int32),
+        torch.cat(sends), splits=torch.tensor([b.numel() for b in sends], dtype=torch.int32),
         name=f"{name}.split", process_set=ps)
-    t0 = time.perf_counter()
-    regions = {key: items[key]["bounds"][me:me + 2] for key in keys}
-    senders, unreadable, at = [], 0, 0
+    t0, kinds, sig = time.perf_counter(), kinds_of(items), _layout(items, _regions(items, me))[3]
+    senders, mismatched, unreadable, at = [], 0, 0, 0
     for size in received.tolist():
         try:
-            frames, used = read_frames(output[at:at + size], [hi - lo for lo, hi in regions.values()])
+            sig_, flags, messages, used = read_frame(output[at:at + size], len(kinds), total)
             unreadable += used != size
-            senders.append(frames)
+            if sig_ != sig or flags.numel() != len(keys):
+                mismatched += 1
+            senders.append((flags, messages))
         except ValueError:
             unreadable += 1
         at += size
     reduced, rows = {}, []
+    if not (mismatched or unreadable):
+        summed = {kind: sum_candidates([unpack(messages[j], 0, total) for _, messages in senders], wire_dtype(kind))
+                  for j, kind in enumerate(kinds)}
     for i, key in enumerate(keys):
-        (lo, hi), n = regions[key], items[key]["acc"].numel()
-        sig = signature(key, n, lo, hi)
-        mismatched = sum(frames[i][0] != sig for frames in senders)
-        flags = torch.tensor([frames[i][1] for frames in senders], dtype=torch.float64)
         counts = torch.zeros(HIST_BINS, dtype=torch.long)
-        if not (unreadable or mismatched) and bool(torch.isfinite(flags).all()):
-            candidates, sums = sum_candidates([unpack(frames[i][2], lo, hi) for frames in senders],
-                                              items[key]["acc"].dtype)
-            bins = magnitude_bins(sums, flags)
+        largest = torch.stack([flags[i] for flags, _ in senders]) if senders else torch.zeros(0)
+        if not (mismatched or unreadable) and bool(torch.isfinite(largest).all()):
+            candidates, sums = summed[items[key]["kind"]]
+            part = _key_slice(candidates, starts[i], items[key]["acc"].numel())
+            sums = sums[part].to(items[key]["acc"].dtype)
+            bins = magnitude_bins(sums, largest)
             counts = torch.bincount(bins, minlength=HIST_BINS)
-            reduced[key] = (candidates, sums, bins, counts)
+            reduced[key] = (candidates[part] - starts[i], sums, bins, counts)
         rows.append(histogram_row(counts, mismatched, unreadable))
-    _add_time(sr, "unpack", t0)
+    _add(sr, "unpack", t0)
     hist = yield "hist", mpi_ops.allreduce_async(torch.stack(rows), op=mpi_ops.Sum, name=f"{name}.hist",
                                                  process_set=ps)
-    kept = _keep(sr, keys, items, regions, hist.long(), reduced)
-    gathered = yield "gather", mpi_ops.allgather_async(torch.cat([kept[key][0] for key in keys]),
-                                                       name=f"{name}.gather", process_set=ps)
-    return _assemble(sr, keys, items, gathered, kept, hist)
+    messages, kept = _keep(sr, keys, items, starts, total, hist.long(), reduced)
+    gathered_buf = yield "gather", mpi_ops.allgather_async(torch.cat(messages), name=f"{name}.gather", process_set=ps)
+    return _assemble(sr, keys, items, starts, total, gathered_buf, kept, decoded, hist.shape[1])
 
-def _keep(sr, keys, items, regions, hist, reduced):
-    """Phase 2's end: per key, (this owner's kept sums coded as one message, its indices, the rounding
-    of its coded sums); a mismatch anywhere raises on every rank (the histograms are the same)."""
+
+def _regions(items, owner):
+    """Every key's region of ``owner``, part of its buffer's signature."""
+    return tuple(tuple(item["bounds"][owner:owner + 2]) for item in items.values())
+
+
+def _keep(sr, keys, items, starts, total, hist, reduced):
+    """Phase 2's end: this owner's kept sums of the bucket, one message per kind over its index space,
+    and per key (its kept indices, the rounding of their coded sums) or None where it was not finite.
+    A mismatch anywhere raises on every rank (the histograms are the same)."""
     for i, key in enumerate(keys):
         if int(hist[i, -2]) or int(hist[i, -1]):
-            raise mismatch_error(key, items[key]["acc"].numel(), sr.mismatch_hint)
-    t0, kept = time.perf_counter(), {}
+            raise mismatch_error(keys, sr.mismatch_hint)
+    t0, kept, by_kind = time.perf_counter(), {}, {kind: [] for kind in kinds_of(items)}
     for i, key in enumerate(keys):
-        item, (lo, hi) = items[key], regions[key]
-        wire = wire_dtype(item["kind"])
-        if key not in reduced:                                  # not finite on some rank: every rank knows
-            kept[key] = (pack(torch.zeros(0, dtype=wire), torch.zeros(0, dtype=torch.long), lo, hi, item["kind"]),
-                         None, None)
+        item = items[key]
+        if key not in reduced:                              # not finite on some rank: every rank knows
+            kept[key] = None
             continue
         candidates, sums, bins, counts = reduced[key]
         keep = owners_share(hist[i, :-2], counts, bins, sums, max(item["k"], int(sr.budget * item["k"])))
-        values = sums[keep].to(wire)
-        rounding = None if item["kind"] in LOSSLESS else \
-            sums[keep] - sent_values(values, item["kind"]).to(sums.dtype)
-        kept[key] = (pack(values, candidates[keep], lo, hi, item["kind"]), candidates[keep], rounding)
-    _add_time(sr, "pack", t0)
-    return kept
+        kept[key] = [candidates[keep], sums[keep]]
+        by_kind[item["kind"]].append((key, candidates[keep] + starts[i], sums[keep].to(wire_dtype(item["kind"]))))
+    messages = []
+    for kind, entries in by_kind.items():
+        values = torch.cat([v for _, _, v in entries]) if entries else torch.zeros(0, dtype=wire_dtype(kind))
+        indices = torch.cat([i for _, i, _ in entries]) if entries else torch.zeros(0, dtype=torch.long)
+        messages.append(pack(values, indices, 0, total, kind))
+        coded = None if kind in LOSSLESS else sent_values(values, kind).split([v.numel() for _, _, v in entries])
+        for j, (key, _, _) in enumerate(entries):            # the owner keeps the rounding of what it coded
+            sums = kept[key][1]
+            kept[key][1] = None if coded is None else sums - coded[j].to(sums.dtype)
+    _add(sr, "pack", t0)
+    return messages, kept
 
-def _assemble(sr, keys, items, gathered, kept, hist):
-    """Phase 3's end: every key's aggregate from its owners' messages, in owner order."""
-    t0, ranks, outcomes, at = time.perf_counter(), sr.collectives.process_set.size(), {}, 0
-    spans = {key: items[key]["bounds"] for key in keys}
-    messages = {key: [] for key in keys}
-    for owner in range(ranks):
-        for key in keys:
-            lo, hi = spans[key][owner], spans[key][owner + 1]
-            size = message_nbytes(gathered[at:], hi - lo)
-            messages[key].append((gathered[at:at + size], lo, hi))
+
+def _assemble(sr, keys, items, starts, total, gathered_buf, kept, decoded, row_ints):
+    """Phase 3's end: the bucket's aggregate from the owners' messages, in owner order; each key's part."""
+    t0, ranks, kinds = time.perf_counter(), sr.collectives.process_set.size(), kinds_of(items)
+    aggregates = {kind: torch.zeros(total, dtype=wire_dtype(kind)) for kind in kinds}
+    indices, at = {kind: [] for kind in kinds}, 0
+    for _ in range(ranks):
+        for kind in kinds:
+            size = message_nbytes(gathered_buf[at:], total)
+            values, where = unpack(gathered_buf[at:at + size], 0, total)
+            aggregates[kind][where] = values                # each index from its single owner: copied
+            indices[kind].append(where)
             at += size
+    indices = {kind: torch.cat(found).sort().values for kind, found in indices.items()}
+    outcomes = {}
     for i, key in enumerate(keys):
         item = items[key]
         acc, n = item["acc"], item["acc"].numel()
-        if kept[key][1] is None:
+        if kept[key] is None:
             outcomes[key] = Outcome(None, None)
             continue
-        aggregate = torch.zeros(n, dtype=acc.dtype, device=acc.device)
-        indices = []
-        for message, lo, hi in messages[key]:
-            values, at_ = unpack(message, lo, hi)
-            aggregate[at_.to(acc.device)] = values.to(device=acc.device, dtype=acc.dtype)
-            indices.append(at_)
-        indices = torch.cat(indices)
+        mine = indices[item["kind"]][_key_slice(indices[item["kind"]], starts[i], n)] - starts[i]
+        aggregate = aggregates[item["kind"]][starts[i]:starts[i] + n].to(device=acc.device, dtype=acc.dtype, copy=True)
         if sr.stats is not None:
-            sr.stats.add_split(indices.numel(), sr.regions.largest_share(key, indices), ranks,
-                                 4 * hist.shape[1] + kept[key][0].numel())
-        sr.regions.observe(key, indices)
-        outcomes[key] = sr._outcome(item, aggregate, indices, kept[key][1:])
-    _add_time(sr, "unpack", t0)
+            sr.stats.add_split(mine.numel(), sr.regions.largest_share(key, mine), ranks,
+                               4 * row_ints + kept[key][0].numel() * CODEC_ENTRY_BYTES[item["kind"]])
+        sr.regions.observe(key, mine)
+        owned_rounding = None if kept[key][1] is None else kept[key]
+        outcomes[key] = sr._outcome(item, aggregate, mine, decoded[key], owned_rounding)
+    _add(sr, "unpack", t0)
     return outcomes
 
 
-def _add_time(sr, part, t0):
+def _add(sr, part, t0, nbytes=0):
+    """Report ``part``'s seconds since ``t0`` (and the bucket's frame and header bytes) to the stats."""
     if sr.stats is not None:
         sr.stats.add_time(part, time.perf_counter() - t0)
+        if nbytes:
+            sr.stats.add_bytes(nbytes)

@@ -31,14 +31,11 @@ Error feedback: ``sent`` is this rank's entries that were kept. With 16-bit valu
 float32's rounding of the sums (``hvd_topk.transports.base``, invariant 2). Lossless values ('fp32',
 float64 accumulators) zero the sent entries and round nothing but the sums, as 8-byte rows did.
 """
-import time
-
 import torch
 
-from ..core.buckets import flag_of, frame, signature, wire_dtype, wire_kind
-from ..core.codec import pack, sent_values
+from ..core.buckets import flag_of, wire_dtype, wire_kind
 from ..core.sparsify import sq_norm_finite, topk_indices
-from .allgather import LOSSLESS
+from ..core.wire import CODEC_ENTRY_BYTES, FLAG_BYTES
 from .base import Outcome, Started
 from .fused import Buckets
 from .split_phases import HIST_BINS, gathered, histogram_row, magnitude_bins, owned, owners_share, sum_candidates
@@ -77,18 +74,13 @@ class SplitReduce:
         sel = topk_indices(acc, k).sort().values         # sorted: each owner's entries are one slice
         values = acc.index_select(0, sel)
         kind = wire_kind(acc.dtype, self.values)
-        t0 = time.perf_counter()
         bounds = torch.tensor([0, n]) if ranks <= 2 else self.regions.of(key, n, ranks)
-        cuts = torch.searchsorted(sel, bounds.to(sel.device)).tolist()
         wire_values = values.to(wire_dtype(kind))
-        flag = flag_of(wire_values, finite)
-        chunks = [frame(signature(key, n, lo, hi), flag, pack(wire_values[a:b], sel[a:b], lo, hi, kind))
-                  for lo, hi, a, b in zip(bounds.tolist(), bounds.tolist()[1:], cuts, cuts[1:])]
-        if self.stats is not None:
-            self.stats.add_time("pack", time.perf_counter() - t0)
-        self.buckets.add(key, dict(chunks=chunks, acc=acc, sel=sel, wire_values=wire_values, cuts=cuts, kind=kind,
-                                   k=k, bounds=bounds.tolist()))
-        return Started(sum(c.numel() for c in chunks), sq_norm_finite(values)[0],
+        self.buckets.add(key, dict(acc=acc, sel=sel, wire_values=wire_values, kind=kind, k=k, bounds=bounds.tolist(),
+                                   cuts=torch.searchsorted(sel, bounds.to(sel.device)).tolist(),
+                                   flag=flag_of(wire_values, finite)))
+        destinations = 1 if ranks <= 2 else ranks
+        return Started(k * CODEC_ENTRY_BYTES[kind] + FLAG_BYTES * destinations, sq_norm_finite(values)[0],
                        lambda: self.buckets.finish(key, self.collectives.start_pending))
 
     def _phases(self, name, items):
@@ -97,20 +89,20 @@ class SplitReduce:
             return (yield from gathered(self, name, items))
         return (yield from owned(self, name, items))
 
-    def _outcome(self, item, aggregate, kept_indices, owned):
+    def _outcome(self, item, aggregate, kept_indices, decoded, owned=None):
         """The Outcome: the aggregate (averaged if asked), this rank's kept entries (``sent``), its nominated
-        ones, and with 16-bit values its residual (``owned``: the indices it kept as owner and their rounding)."""
+        ones, and with 16-bit values its residual: ``acc - decoded`` at the kept entries it sent, and as
+        owner (``owned``: the indices it kept and the rounding of their coded sums) that rounding."""
         acc, sel = item["acc"], item["sel"]
         if self.average:
             aggregate.mul_(1.0 / self.collectives.process_set.size())
         kept = torch.zeros(acc.numel(), dtype=torch.bool, device=acc.device)
         kept[kept_indices.to(acc.device)] = True
         mine = kept[sel]
-        if item["kind"] in LOSSLESS:
+        if decoded is None:                               # lossless: the caller zeroes what was sent
             return Outcome(aggregate, sel[mine], sel)
-        cuts = item["cuts"]
-        decoded = torch.cat([sent_values(item["wire_values"][a:b], item["kind"]) for a, b in zip(cuts, cuts[1:])])
         residual = acc.index_put_((sel[mine],), acc[sel[mine]] - decoded[mine].to(acc.dtype))
-        if owned is not None and owned[0] is not None and owned[1] is not None:
-            residual.index_put_((owned[0].to(acc.device),), owned[1].to(acc.device), accumulate=True)
+        if owned is not None:
+            residual.index_put_((owned[0].to(acc.device),), owned[1].to(device=acc.device, dtype=acc.dtype),
+                                accumulate=True)
         return Outcome(aggregate, sel[mine], sel, residual)
