@@ -64,7 +64,7 @@ def forget_ranks(c):
     for transport in c.transports.values():
         transport.forget()
     c.last_end = None                     # the tuner's step clock restarts: a reset is not a step
-    c.commits, c.sent_keys = StepCommits(), set()
+    c.commits, c.sent_keys, c.routed = StepCommits(), set(), False    # the next start tells the buckets anew
 
 
 def register():
