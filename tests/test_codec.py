@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import job
-from hvd_topk.core.codec import MAX_SPAN, VALUE_KINDS, pack, packed_nbytes, sent_values, split_messages, unpack
+from hvd_topk.core.codec import (MAX_SPAN, VALUE_KINDS, message_nbytes, pack, packed_nbytes, sent_values,
+                                  split_messages, unpack)
 from hvd_topk.core.wire import CODEC_BLOCK, CODEC_ENTRY_BYTES
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -225,6 +226,22 @@ def test_messages_laid_end_to_end_split_by_their_headers():
     shifted = torch.cat([torch.zeros(2, dtype=torch.uint8), buf])[2:]         # not on a 4-byte boundary
     assert torch.equal(unpack(split_messages(shifted, [hi - lo for lo, hi, _, _ in parts])[0], 0, 300_000)[1],
                        sent[0][1].sort().values)
+
+
+def test_float64_values_go_unchanged_and_read_at_any_offset():
+    gen = torch.Generator().manual_seed(12)
+    values = torch.randn(300, generator=gen, dtype=torch.float64) * 1e200       # beyond float32's range
+    indices = torch.randperm(70_000, generator=gen)[:300]
+    message = pack(values, indices, 0, 70_000, "fp64")
+    assert message.numel() == packed_nbytes(300, 70_000, "fp64") == 8 + 8 * 300 + 4 + 2 * 300
+    assert message_nbytes(message, 70_000) == message.numel() and torch.equal(sent_values(values, "fp64"), values)
+    order = indices.argsort()
+    for skew in (4, 8, 12):                                   # float64 views need 8-byte alignment
+        shifted = torch.cat([torch.zeros(skew, dtype=torch.uint8), message])[skew:]
+        got_values, got_indices = unpack(shifted, 0, 70_000)
+        assert torch.equal(got_values, values[order]) and torch.equal(got_indices, indices[order])
+    with pytest.raises(ValueError, match=r"float64 for 'fp64'"):
+        pack(values.float(), indices, 0, 70_000, "fp64")
 
 
 @pytest.mark.parametrize("call, match", [
