@@ -78,8 +78,7 @@ class StepStats:
         if self.sync_start is None:
             self.sync_start = self.clock()
 
-    def add_bytes(self, nbytes):
-        """Bytes a fused bucket adds to its tensors' entries: its frames and message headers."""
+    def add_bytes(self, nbytes):          # a fused bucket's frames and message headers, beside its entries
         self.bytes_sent += nbytes
 
     def add_time(self, part, seconds):
@@ -102,8 +101,7 @@ class StepStats:
     def end_step(self, density, comm_s=None):
         """Close the step (``comm_s``: the seconds of its synchronization; None: since ``syncing()``)."""
         now = self.clock()
-        if comm_s is None:
-            comm_s = 0.0 if self.sync_start is None else now - self.sync_start
+        comm_s = (0.0 if self.sync_start is None else now - self.sync_start) if comm_s is None else comm_s
         t = self.times
         step_s = 0.0 if self._mark is None else now - self._mark
         ours = t["select"] + t["pack"] + comm_s + t["optimizer"]
