@@ -10,8 +10,8 @@ Horovod compressor::
 
 A name may end in keyword overrides in brackets (values: numbers, true/false, or words):
 ``hvd_topk[communication=allgather,momentum_correction=true,warmup_epochs=4]``, ``topkef[budget=2]``,
-``horovod dense[groups=1]``. TopKEF's own arguments (ratio, min_numel, budget, sync_indices) go to
-TopKEF, Horovod's (groups, num_groups, backward_passes_per_step, sparse_as_dense) to the
+``horovod dense[groups=1]``. TopKEF's own arguments (ratio, min_numel, budget, sync_indices, values,
+bucket_cap_mb) go to TopKEF, Horovod's (groups, num_groups, backward_passes_per_step, sparse_as_dense) to the
 DistributedOptimizer, the rest to hvd_topk's (``communication`` and its settings). Low-rank arms
 (``powersgd rN``, ``hvd_topk powersgd rN``) give PowerSGD's own (communication, min_compression_rate,
 seed, epsilon) to ``hvd_topk.PowerSGD``. DDP arms take none.
@@ -40,7 +40,7 @@ import hvd_topk
 __all__ = ["ARMS", "Arm", "Build", "parse_arm", "START_POWERSGD_ITER", "TOPKEF_ARGS"]
 
 START_POWERSGD_ITER = 2
-TOPKEF_ARGS = ("ratio", "min_numel", "budget", "sync_indices")
+TOPKEF_ARGS = ("ratio", "min_numel", "budget", "sync_indices", "values", "bucket_cap_mb")
 POWERSGD_ARGS = ("communication", "min_compression_rate", "seed", "epsilon")
 HOROVOD_ARGS = ("groups", "num_groups", "backward_passes_per_step", "sparse_as_dense")
 # arms whose transport needs Horovod's process sets of the hosts (hvd_topk.host_process_sets)

@@ -62,6 +62,20 @@ def test_overrides_reach_topkef_and_the_optimizer(one_rank):
         build_arm("hvd_topk[momentum_correction=true]", 1, Task("cnn", 0, 1, optimizer="adam"), ratio=0.01)
 
 
+def test_topkef_settings_reach_topkef_in_both_doors(one_rank):
+    """values and bucket_cap_mb are TopKEF's: an hvd_topk arm hands them to its TopKEF, not to
+    OptimizerSettings (which has no such fields and would refuse them)."""
+    task = Task("cnn", 0, 1)
+    stock = build_arm("topkef[values=fp32,bucket_cap_mb=1]", 3, task, ratio=0.01)
+    assert (stock.opt._compression.settings.values, stock.opt._compression.settings.bucket_cap_mb) == ("fp32", 1)
+    arm = build_arm("hvd_topk[values=fp16,bucket_cap_mb=2]", 4, task, ratio=0.01)
+    x, y = task.batch(0)
+    arm.opt.zero_grad()
+    task.loss(arm.forward(x), y).backward()
+    arm.opt.step()
+    assert all(torch.isfinite(p).all() for p in arm.model.parameters())
+
+
 def test_names_and_overrides_are_read():
     assert parse_arm(" topkef ") == ("topkef", {})
     assert parse_arm("topkef[budget=2,sync_indices=false]") == ("topkef", {"budget": 2, "sync_indices": False})
