@@ -30,7 +30,6 @@ setting) compresses from the first.
 import re
 
 import horovod.torch as hvd
-import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
@@ -144,7 +143,9 @@ ARMS = {
     "hvd_topk split_reduce": lambda b: b.hvd_topk(communication="split_reduce"),
     "hvd_topk artopk": lambda b: b.hvd_topk(communication="artopk"),
     "hvd_topk allgather": lambda b: b.hvd_topk(communication="allgather"),
-    "hvd_topk allgather fp16": lambda b: b.hvd_topk(communication="allgather", value_dtype=torch.float16),
+    # TopKEF's values (default 'bf16'): an entry named '... fp16' or '... fp32' presets them (bench.figures reads it)
+    "hvd_topk allgather fp16": lambda b: b.hvd_topk(communication="allgather", values="fp16"),
+    "hvd_topk allgather fp32": lambda b: b.hvd_topk(communication="allgather", values="fp32"),
     "hvd_topk hierarchical": lambda b: b.hvd_topk(communication="hierarchical"),
     "hvd_topk dense": lambda b: b.hvd_topk(communication="dense"),
     "hvd_topk auto": lambda b: b.hvd_topk(communication="auto"),

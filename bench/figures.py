@@ -12,111 +12,130 @@ dense run). An accuracy is reached at or above its target, a loss at or below.
 """
 import statistics
 
-from hvd_topk.auto.costmodel import HIST_BYTES
 from hvd_topk.auto.plans import TRANSPORTS
+from hvd_topk.core.buckets import cap_numel, plan_buckets
+from hvd_topk.core.codec import VALUE_KINDS, packed_nbytes
 from hvd_topk.core.sparsify import k_for
+from hvd_topk.core.validate import check_choice
+from hvd_topk.core.wire import FLAG_BYTES, FRAME_BYTES, HIST_BYTES
+from hvd_topk.settings import TopKSettings
+from hvd_topk.step.op_token import TOKEN_SIZE
+from hvd_topk.transports.index_sets import PLAN_HEADER
 
-from bench.arms import DENSE, FIXED_TRANSPORTS, parse_arm
+from bench.arms import DENSE, FIXED_TRANSPORTS, TOPKEF_ARGS, parse_arm
 
-__all__ = ["SCHEMES", "theoretical_bytes", "scheme_of", "time_to", "targets_of", "summarize"]
+__all__ = ["SCHEMES", "DOORS", "theoretical_bytes", "scheme_of", "topk_settings_of", "time_to", "targets_of",
+           "summarize"]
 
 SCHEMES = ("dense", "fp16", "topkef", "artopk", "allgather", "split_reduce")
+DOORS = ("optimizer", "topkef")     # hvd_topk.DistributedOptimizer, or stock Horovod with TopKEF
 AUTO_TARGET = 0.05          # auto's median step within 5% of the fastest fixed transport (unlimited: dense)
 
 
-def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_bytes=4):
-    """Bytes per rank per step that ``scheme`` must put on the link (payload only: no headers, no
-    control plane), from the gradients' shapes.
+def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_kind="bf16", door="optimizer",
+                      bucket_cap_mb=25.0, budget=1.0, sync_indices=False):
+    """Bytes per rank per step (a float, 0 at N = 1) that ``scheme`` must put on the link (payload only: no
+    TCP/IP headers, no Horovod control plane), from the gradients' shapes, once the buckets are planned.
 
-    Verified against Horovod 0.28.1 and its bundled Gloo (third_party/gloo):
+    Verified against Horovod 0.28.1 and its bundled Gloo (third_party/gloo). Allreduce: ``gloo::allreduce``
+    runs ``ring`` (gloo/allreduce.cc), reduce-scatter then allgather, each rank sending (N-1)/N of the
+    buffer per phase (segments past the end are not sent): B bytes cost ring = 2(N-1)/N * B per rank;
+    Horovod's fusion buffer (no padding on CPU) changes the number of messages, not the payload.
+    Allgather: ``gloo::allgatherv``, a ring of N-1 rounds, each rank forwarding one rank's block: (N-1)/N
+    of the blocks' sum per rank on average, (N-1) * B with equal blocks; the sizes come from the
+    controller. Broadcast (``sync_indices``): a binomial tree, (N-1)/N * B per rank on average.
+    Alltoall: each block sent once, point to point, a rank's own staying in memory.
 
-    - Allreduce: ``GlooAlgorithms::Allreduce`` calls ``gloo::allreduce`` without choosing an algorithm,
-      which runs ``ring`` (gloo/allreduce.cc): reduce-scatter then allgather over ``numSegments``
-      segments (a multiple of N, at least 2N); each rank sends ``numSegments - numSegmentsPerRank``
-      segments per phase, i.e. (N-1)/N of the buffer, and segments past the end are not sent. So B
-      bytes cost 2(N-1)/N * B per rank (2(N-1) * B on the link in all). Horovod fuses the tensors of
-      one cycle back to back into one buffer (``AllreduceOp::MemcpyInFusionBuffer``, no padding on
-      CPU): fusion changes the number of messages, not the payload.
-    - Broadcast (AR-Topk's index set): ``gloo::broadcast`` (gloo/broadcast.cc) is a binomial tree from
-      the root, not root-to-all: every other rank receives the buffer exactly once, some from a rank
-      that forwards it. The link carries (N-1) * B in all whoever sends, so (N-1)/N * B per rank on
-      average.
-    - Allgather: ``GlooAllgather`` calls ``gloo::allgatherv`` (gloo/allgatherv.cc), a ring of N-1
-      rounds in which each rank forwards one rank's block; with equal blocks of B bytes a rank sends
-      (N-1) * B. The block sizes come from the controller's response (``AllgatherOp::AllocateOutput``
-      reads ``response.tensor_sizes()``), so no size exchange rides on the data plane.
-    - Alltoall (split_reduce's first phase): every rank sends each other rank its block once, point
-      to point; a rank's block for itself stays in memory.
+    Compressed entries travel as ``hvd_topk.core.codec`` messages: msg(K, S) = ``packed_nbytes`` = 8
+    (header) + [v K]4 (values: v = 2 for bf16 and fp16, 4 for fp32) + [c B]4 (a count per 65,536-index
+    block but the last: B = ceil(S / 65,536) - 1, none when K = 0; c = 2 while K < 65,536, else 4) +
+    [2 K]4 (16-bit offsets), each section rounded up to 4 bytes. allgather and split_reduce send buckets
+    (``hvd_topk.core.buckets.plan_buckets``: the compressed tensors in the order of ``tensors``,
+    reversed, cut at ``bucket_cap_mb`` MB of float32): bucket b has K_b entries over S_b indices (its
+    tensors end to end), and each of its buffers is a frame of 8 + 4|b| bytes (int32 signature and
+    count, a float32 flag per tensor) and one msg over [0, S_b).
 
-    Per tensor of ``numel`` elements (fp32 gradients), k = max(1, ceil(ratio * numel)):
+    ============ ===========================================================================================
+    scheme       bytes per rank per step, k = max(1, ceil(ratio * numel)) per compressed tensor
+    ============ ===========================================================================================
+    dense, fp16  ring * 4 (fp16: 2) * numel per tensor
+    topkef       ring * 4(k+1) per tensor: its k values at the shared index set and a flag (float32); + once
+                 a step (N-1)/N * 4(sum k + 3N): one allgather of the next step's int32 sets, each rank's
+                 headed by 3 int32 (length, 2 fingerprints); ``sync_indices``: (N-1)/N * 4 sum k instead
+    artopk       as topkef (hvd_topk.DistributedOptimizer's AR-Topk)
+    allgather    (N-1) * (8 + 4|b| + msg(K_b, S_b)) per bucket: every rank's frame and message to every other
+    split_reduce 1-2 ranks: as allgather (one allgather). From 3, per bucket, owner o getting K_o of the K_b
+                 entries and keeping M_o of at most M_b = sum of max(k, int(budget * k)), each split evenly:
+                 (N-1)/N * sum_o (8 + 4|b| + msg(K_o, S_b)) (alltoall of a frame and message per owner) +
+                 ring * 520|b| (130-int32 histogram rows) + (N-1)/N * sum_o msg(M_o, S_b) (allgatherv)
+    ============ ===========================================================================================
 
-    ============ ======================================================  ==============================
-    scheme       bytes per rank per step                                 sent dense (ring, 4 B/value)
-    ============ ======================================================  ==============================
-    dense        2(N-1)/N * 4 * numel                                    every tensor
-    fp16         2(N-1)/N * 2 * numel (Horovod's fp16 compressor)        every tensor
-    topkef       2(N-1)/N * 4(k+1) + (N-1)/N * 4k  (k values + 1 flag    numel < min_numel (TopKEF
-                 allreduced; the leader's int32 index set broadcast;     looks at numel only: 1-D
-                 no broadcast when k = numel)                            tensors are compressed)
-    artopk       as topkef (hvd_topk.DistributedOptimizer, AR-Topk)      numel < min_numel or ndim <= 1
-    allgather    (N-1) * (4(k+1) + 4(k+1)): two allgathers, the k        numel < min_numel or ndim <= 1
-                 values + flag and the k int32 indices + flag slot
-    split_reduce 8 * ((N-1)/N * k + (N-1)): alltoall of k rows (value    numel < min_numel or ndim <= 1
-                 + int32 index) to their region's owner and 1 flag
-                 row to every rank, the rank's own share off the link;
-                 + 2(N-1)/N * 520: allreduce of a 130-int32 histogram;
-                 + 8 * (N-1)/N * (k + N): allgatherv of the owners'
-                 kept rows (at most k in all) + 1 padding row each
-    ============ ======================================================  ==============================
-
-    split_reduce's owners keep at most k rows in all (at least k - N + 1 when there are k candidates),
-    so its allgather term is a bound, reached when they keep k; the alltoall's is exact.
-
-    With ``value_bytes`` = 2 (``value_dtype=torch.float16``) the compressed tensors' values and flag
-    take 2 bytes instead of 4 (split_reduce's rows: 6 bytes instead of 8); indices stay int32 and
-    tensors sent dense keep their own dtype.
+    Sent dense (ring * 4 * numel): tensors below ``min_numel``, and with the optimizer 1-D ones (TopKEF
+    compresses them); at k = numel, ring * 4 * numel (TopKEF: 4(numel+1), its flag). ``door='topkef'``
+    (the 'topkef ...' arms) adds to allgather and split_reduce ring * 16 per compressed tensor: the
+    float32 op token (``hvd_topk.step.op_token``) Horovod's allreduce gets instead. Exact, but for
+    split_reduce from 3 ranks (the entries assumed spread evenly over the owners' regions, the kept ones
+    a bound). ``value_kind`` is the fused transports' alone: AR-Topk's and the dense allreduces' values
+    go in the gradients' dtype (float32).
 
     Args:
-        scheme: one of ``SCHEMES``.
-        tensors: the run's ``tensors`` list of ``[name, numel, ndim]``.
-        min_numel: tensors with fewer elements go dense.
-        ratio: fraction kept (ignored by dense and fp16).
-        ranks: N.
-        value_bytes: bytes per value of a compressed tensor on the wire (4, or 2 for float16).
-
-    Returns:
-        float bytes per rank per step (0 at N = 1).
+        scheme: one of ``SCHEMES``; tensors: the run's ``[name, numel, ndim]`` in registration order;
+        min_numel: smaller tensors go dense; ratio: fraction kept; ranks: N; door: one of ``DOORS``
+        ('topkef': stock Horovod with TopKEF, always so for scheme 'topkef'); value_kind, bucket_cap_mb,
+        budget, sync_indices: the arm's TopKEF's ``values`` ('bf16', 'fp16', 'fp32') and the others.
 
     Example:
         >>> theoretical_bytes("dense", [["w", 1000, 2]], 1024, 0.01, 2)     # 2(N-1)/N * 4000
         4000.0
-        >>> theoretical_bytes("allgather", [["w", 10000, 2]], 1024, 0.01, 4) # 3 * 8 * 101
-        2424.0
-        >>> theoretical_bytes("split_reduce", [["w", 10000, 2]], 1024, 0.01, 4)  # 8 * 78 + 1.5 * 520 + 8 * 78
-        2028.0
+        >>> w = [["w", 10000, 2]]                                         # k = 100, one bucket
+        >>> theoretical_bytes("allgather", w, 1024, 0.01, 4)              # 3 * (12 + 8 + 200 + 200)
+        1260.0
+        >>> theoretical_bytes("allgather", w, 1024, 0.01, 4, "fp32")      # 3 * (12 + 8 + 400 + 200)
+        1860.0
+        >>> theoretical_bytes("split_reduce", w, 1024, 0.01, 4)   # 0.75 * (4 * 124 + 4 * 112) + 1.5 * 520
+        1488.0
+        >>> theoretical_bytes("artopk", w, 1024, 0.01, 4)         # 1.5 * 4 * 101 + 0.75 * 4 * (100 + 12)
+        942.0
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    scheme, value_kind = check_choice("scheme", scheme, SCHEMES), check_choice("value_kind", value_kind, VALUE_KINDS)
+    stock = check_choice("door", door, DOORS) == "topkef" or scheme == "topkef"     # stock Horovod with TopKEF
     n = int(ranks)
     if n < 2:
         return 0.0
-    ring = 2.0 * (n - 1) / n
-    total = 0.0
-    for _, numel, ndim in tensors:
+    ring, share = 2.0 * (n - 1) / n, (n - 1) / n
+    total, sparse = 0.0, {}                       # sparse: position -> (numel, k) of the tensors compressed
+    for i, (_, numel, ndim) in enumerate(tensors):
         numel, ndim = int(numel), int(ndim)
-        dense = (scheme in ("dense", "fp16") or numel < min_numel
-                 or (scheme in ("artopk", "allgather", "split_reduce") and ndim <= 1))
-        if dense:
-            total += ring * numel * (2 if scheme == "fp16" else 4)
+        if scheme in ("dense", "fp16") or numel < min_numel or (ndim <= 1 and not stock):
+            total += ring * numel * (2 if scheme == "fp16" else 4)      # a plain allreduce in its own dtype
             continue
         k = k_for(numel, ratio)
-        if scheme == "allgather":
-            total += (n - 1) * (value_bytes + 4) * (k + 1)
-        elif scheme == "split_reduce":
-            row, share = value_bytes + 4, (n - 1) / n
-            total += row * (share * k + (n - 1)) + ring * HIST_BYTES + row * share * (k + n)
+        if k == numel:        # density 1: the optimizer's plain allreduce; TopKEF's carries its flag too
+            total += ring * 4 * (numel + stock)
         else:
-            total += ring * value_bytes * (k + 1) + ((n - 1) / n * 4 * k if k < numel else 0.0)
+            sparse[i] = (numel, k)
+    if not sparse:
+        return total
+    if scheme in ("topkef", "artopk"):
+        sets = 4 * sum(k for _, k in sparse.values())        # 4 bytes per entry: an int32 index or a value
+        # the values at the shared set and a flag per tensor (float32, allreduced); the sets: a broadcast
+        # per tensor, or one allgather a step of each rank's header (PLAN_HEADER int32) and the sets it leads
+        return total + ring * (sets + 4 * len(sparse)) + share * (sets if sync_indices else sets + 4 * PLAN_HEADER * n)
+    if stock:                 # TopKEF hands Horovod's allreduce a float32 token per compressed tensor
+        total += ring * 4 * TOKEN_SIZE * len(sparse)
+    buckets = plan_buckets(list(sparse), {i: numel for i, (numel, _) in sparse.items()}, cap_numel(bucket_cap_mb))
+    for bucket in buckets:
+        span, entries = sum(sparse[i][0] for i in bucket), sum(sparse[i][1] for i in bucket)
+        frame = FRAME_BYTES + FLAG_BYTES * len(bucket)      # signature, count, one flag per tensor
+        if scheme == "allgather" or n <= 2:                 # one allgather of equal blocks
+            total += (n - 1) * (frame + packed_nbytes(entries, span, value_kind))
+            continue
+        kept = sum(min(numel, max(k, int(budget * k))) for numel, k in (sparse[i] for i in bucket))
+        # alltoall of a frame and message per owner (its own off the link), allreduce of the histogram
+        # rows, allgatherv of each owner's kept sums (a message, no frame); owner o gets its even share
+        total += share * sum(frame + packed_nbytes(entries // n + (o < entries % n), span, value_kind)
+                             for o in range(n)) + ring * HIST_BYTES * len(bucket)
+        total += share * sum(packed_nbytes(kept // n + (o < kept % n), span, value_kind) for o in range(n))
     return total
 
 
@@ -139,6 +158,22 @@ def scheme_of(name, arm):
         used = [t for t in TRANSPORTS if last.get(f"auto_{t}")]
         comm = used[0] if len(used) == 1 else None
     return comm if comm in TRANSPORTS else None
+
+
+def topk_settings_of(name, record):
+    """The ``TopKSettings`` arm ``name`` gives its TopKEF (``bench.arms.Build``): the run's ratio and
+    min_numel, the values an entry named '... fp16' or '... fp32' presets, then the name's overrides.
+
+    Example:
+        >>> record = {"ratio": 0.01, "min_numel": None}
+        >>> [topk_settings_of(n, record).values for n in ("hvd_topk allgather fp32", "topkef", "topkef[values=fp16]")]
+        ['fp32', 'bf16', 'fp16']
+    """
+    entry, overrides = parse_arm(name)
+    words = entry.split()
+    preset = {"values": words[-1]} if words[0] in ("hvd_topk", "topkef") and words[-1] in VALUE_KINDS else {}
+    run = {"ratio": record["ratio"], **({} if record["min_numel"] is None else {"min_numel": record["min_numel"]})}
+    return TopKSettings(**{**run, **preset, **{k: v for k, v in overrides.items() if k in TOPKEF_ARGS}})
 
 
 def quantiles(values):
@@ -193,10 +228,11 @@ def _arm_figures(name, per_seed, record, reference):
                                    if v is not None])[0] for k in per_seed[0]["stats"]}}
     scheme = scheme_of(name, per_seed[-1])
     if scheme and record["iface"] == "lo" and nbytes:
-        ratio = out["stats"].get("density") or record["ratio"]
-        value_bytes = 2 if "fp16" in name.split()[-1] or "float16" in name else 4
-        min_numel = 1024 if record["min_numel"] is None else record["min_numel"]
-        theo = theoretical_bytes(scheme, per_seed[0]["tensors"], min_numel, ratio, record["ranks"], value_bytes)
+        topk = topk_settings_of(name, record)
+        door = "topkef" if parse_arm(name)[0].split()[0] == "topkef" else "optimizer"
+        theo = theoretical_bytes(scheme, per_seed[0]["tensors"], topk.min_numel,
+                                 out["stats"].get("density") or topk.ratio, record["ranks"], topk.values, door,
+                                 topk.bucket_cap_mb, topk.budget, topk.sync_indices)
         out.update(scheme=scheme, theoretical_bytes=theo, measured_over_theoretical=nbytes / theo if theo else None)
     if reference and median and reference["step_ms"] and nbytes and reference["bytes"]:
         out.update(speedup=reference["step_ms"] / median, bytes_vs_reference=nbytes / reference["bytes"])

@@ -12,26 +12,64 @@ TENSORS = [["w", 10_000, 2], ["b", 2048, 1], ["s", 100, 1]]
 
 
 def test_theoretical_bytes_by_hand():
-    # 4 ranks: ring allreduce 2(N-1)/N = 1.5 of the buffer; broadcast (N-1)/N = 0.75; allgather N-1 = 3.
-    # w: k = 100; b: k = ceil(20.48) = 21; s: 100 < min_numel, always dense.
+    # 4 ranks: ring allreduce 2(N-1)/N = 1.5 of the buffer; allgather N-1 = 3 blocks, (N-1)/N = 0.75 of
+    # their sum on average. w: k = 100; b: k = ceil(20.48) = 21; s: 100 < min_numel, always dense.
+    # A message of K entries over S < 65,536 indices: 8 (header) + 2K (bf16) + 2K (offsets), each rounded
+    # up to 4 bytes; a bucket's frame: 8 + 4 per tensor.
     assert theoretical_bytes("dense", TENSORS, 1024, 0.01, 4) == pytest.approx(1.5 * 4 * 12_148)
     assert theoretical_bytes("fp16", TENSORS, 1024, 0.01, 4) == pytest.approx(1.5 * 2 * 12_148)
-    w_ar = 1.5 * 4 * 101 + 0.75 * 4 * 100        # values + flag allreduced, indices broadcast
-    b_ar = 1.5 * 4 * 22 + 0.75 * 4 * 21          # TopKEF compresses a 1-D tensor of >= min_numel
-    s_dense = 1.5 * 4 * 100
-    assert theoretical_bytes("topkef", TENSORS, 1024, 0.01, 4) == pytest.approx(w_ar + b_ar + s_dense)
-    assert theoretical_bytes("artopk", TENSORS, 1024, 0.01, 4) == pytest.approx(w_ar + 1.5 * 4 * 2048 + s_dense)
-    assert theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4) == pytest.approx(3 * 8 * 101 + 1.5 * 4 * 2048 + s_dense)
-    assert theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4, value_bytes=2) == pytest.approx(
-        3 * 6 * 101 + 1.5 * 4 * 2048 + s_dense)
-    w_sr = 8 * (0.75 * 100 + 3) + 1.5 * 520 + 8 * 0.75 * (100 + 4)        # 624 + 780 + 624 = 2028
-    assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4) == pytest.approx(w_sr + 1.5 * 4 * 2048 + s_dense)
+    b_dense, s_dense = 1.5 * 4 * 2048, 1.5 * 4 * 100
+    # AR-Topk: values + flag allreduced (float32); one allgather of the sets, 3 int32 ahead of each rank's
+    w_ar = 1.5 * 4 * 101 + 0.75 * 4 * (100 + 3 * 4)
+    assert theoretical_bytes("artopk", TENSORS, 1024, 0.01, 4) == pytest.approx(w_ar + b_dense + s_dense)
+    # TopKEF compresses a 1-D tensor of >= min_numel: both sets in the one allgather
+    topkef = 1.5 * 4 * 101 + 1.5 * 4 * 22 + 0.75 * 4 * (121 + 3 * 4)
+    assert theoretical_bytes("topkef", TENSORS, 1024, 0.01, 4) == pytest.approx(topkef + s_dense)
+    assert theoretical_bytes("artopk", TENSORS, 1024, 0.01, 4, sync_indices=True) == pytest.approx(
+        1.5 * 4 * 101 + 0.75 * 4 * 100 + b_dense + s_dense)           # a broadcast per tensor, no header
+    # allgather: one bucket of w, every rank's frame (12) and message to 3 others; 16-bit values either way
+    w_ag = 3 * (12 + 8 + 200 + 200)
+    for kind in ("bf16", "fp16"):
+        assert theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4, kind) == pytest.approx(w_ag + b_dense + s_dense)
+    assert theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4, "fp32") == pytest.approx(
+        3 * (12 + 8 + 400 + 200) + b_dense + s_dense)
+    # through TopKEF: b joins w's bucket (16-byte frame, 121 entries: 242 -> 244 bytes per section),
+    # and each compressed tensor's 4-float32 op token is allreduced
+    assert theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4, door="topkef") == pytest.approx(
+        3 * (16 + 8 + 244 + 244) + 1.5 * 16 * 2 + s_dense)
+    # split_reduce, 4 ranks: 25 entries to each owner (frame 12 + message 112), 3 of 4 on the link; the
+    # histogram rows allreduced; the owners' 100 kept sums gathered (25 each, no frame)
+    w_sr = 0.75 * 4 * (12 + 112) + 1.5 * 520 + 0.75 * 4 * 112           # 372 + 780 + 336 = 1488
+    assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4) == pytest.approx(w_sr + b_dense + s_dense)
+    assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 4, budget=2) == pytest.approx(
+        w_sr + 0.75 * 4 * (208 - 112) + b_dense + s_dense)           # up to 200 kept: 50 per owner
+    # 2 ranks: split_reduce is one allgather, as allgather
+    assert theoretical_bytes("split_reduce", TENSORS, 1024, 0.01, 2) == pytest.approx(
+        theoretical_bytes("allgather", TENSORS, 1024, 0.01, 2)) == pytest.approx(420 + 4 * 2148)
     w = [["w", 10_000, 2]]
-    assert [theoretical_bytes("allgather", w, 0, 0.01, n) for n in (2, 4, 8)] == pytest.approx([808, 2424, 7 * 808])
-    assert theoretical_bytes("artopk", [["w", 2000, 2]], 0, 1.0, 4) == pytest.approx(1.5 * 4 * 2001)   # k = numel
+    assert [theoretical_bytes("allgather", w, 0, 0.01, n) for n in (2, 4, 8)] == pytest.approx([420, 1260, 7 * 420])
+    assert theoretical_bytes("artopk", [["w", 2000, 2]], 0, 1.0, 4) == pytest.approx(1.5 * 4 * 2000)   # k = numel:
+    assert theoretical_bytes("topkef", [["w", 2000, 2]], 0, 1.0, 4) == pytest.approx(1.5 * 4 * 2001)   # dense
     assert theoretical_bytes("dense", TENSORS, 1024, 0.01, 1) == 0.0
     with pytest.raises(ValueError, match="scheme"):
         theoretical_bytes("tree", TENSORS, 1024, 0.01, 4)
+    with pytest.raises(ValueError, match="value_kind"):
+        theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4, "int8")
+    with pytest.raises(ValueError, match="door"):
+        theoretical_bytes("allgather", TENSORS, 1024, 0.01, 4, door="ddp")
+
+
+def test_theoretical_bytes_of_buckets_and_block_counts():
+    # 2 ranks, ratio 0.01: a (100k elements) keeps 1,000, c (200k) 2,000. One bucket of 300k indices:
+    # 4 block counts (uint16: 8 bytes), 2 x 6,000 bytes of values and offsets, a 16-byte frame
+    ac = [["a", 100_000, 2], ["c", 200_000, 2]]
+    assert theoretical_bytes("allgather", ac, 0, 0.01, 2) == pytest.approx(16 + 8 + 6000 + 8 + 6000)
+    # 1 MB buckets (262,144 elements): c alone (3 counts: 6 -> 8 bytes), then a (1 count: 2 -> 4 bytes)
+    assert theoretical_bytes("allgather", ac, 0, 0.01, 2, bucket_cap_mb=1) == pytest.approx(
+        (12 + 8 + 4000 + 8 + 4000) + (12 + 8 + 2000 + 4 + 2000))
+    # 100,000 entries in a message: its 152 block counts are int32
+    assert theoretical_bytes("allgather", [["big", 10_000_000, 2]], 0, 0.01, 2) == pytest.approx(
+        12 + 8 + 200_000 + 152 * 4 + 200_000)
 
 
 def test_scheme_of_each_arm():
@@ -45,6 +83,20 @@ def test_scheme_of_each_arm():
     assert scheme_of("hvd_topk hierarchical", stats()) is None and scheme_of("ddp powersgd r4", stats()) is None
     assert scheme_of("hvd_topk auto", stats(auto_dense=0, auto_artopk=4, auto_allgather=0)) == "artopk"
     assert scheme_of("hvd_topk auto", stats(auto_dense=1, auto_artopk=3)) is None
+
+
+def test_the_theoretical_bytes_follow_each_arms_values_and_door():
+    """The arm's values (preset by its name or overridden) and door (TopKEF inside stock Horovod) reach
+    the model: 2 ranks, w compressed (k = 100), b (2,048, 1-D) dense but through TopKEF."""
+    tensors = [["w", 10_000, 2], ["b", 2048, 1]]
+    names = ("hvd_topk allgather", "hvd_topk allgather fp32", "hvd_topk[communication=allgather,values=fp16]",
+             "topkef allgather", "hvd_topk allgather fp32[values=bf16]")
+    arms = {name: dict(_arm([[1, 1.0, 0.5, 1.0]]), tensors=tensors) for name in names}
+    a = summarize([_record(0, arms)])["arms"]
+    assert [a[n]["theoretical_bytes"] for n in names] == pytest.approx([
+        420 + 4 * 2048, 620 + 4 * 2048, 420 + 4 * 2048,
+        (16 + 8 + 244 + 244) + 2 * 16,                   # b joins w's bucket; 2 op tokens
+        420 + 4 * 2048])                                 # the override wins over the name's preset
 
 
 def test_time_to_a_target_is_the_first_evaluation_that_reached_it():
@@ -132,4 +184,4 @@ def test_a_loss_task_aims_at_dense_plus_two_percent():
 
 def test_docstring_examples():
     result = doctest.testmod(figures)
-    assert result.attempted >= 4 and result.failed == 0
+    assert result.attempted >= 8 and result.failed == 0

@@ -79,18 +79,27 @@ def test_the_folder_holds_every_file(every_kind):
 
 @pytest.mark.slow
 def test_tbf_link_bytes_against_the_theoretical(tmp_path):
-    """The wide CNN through a 1 Gbit/s tbf link: every compressed arm within 1.1x of what its scheme
-    must send and under 1/20 of dense's bytes; float16 values save a quarter of allgather's. A 20 ms
-    Horovod cycle: at Horovod's 1 ms, its control plane adds about 100 kB to a 270 ms TopKEF step
-    (measured 1.20x the payload), which is not what this checks."""
+    """The wide CNN through a 1 Gbit/s tbf link: every compressed arm within 0.9x-1.1x of the payload its
+    scheme must send (``theoretical_bytes``, exact at 2 ranks: the packed wire's headers, frames and
+    block counts included; the link adds TCP/IP headers, ACKs and Horovod's control plane, so below 0.9
+    the model overstates the wire, above 1.1 the wire grew) and under 1/20 of dense's bytes; the default
+    16-bit values send at most 3/4 of fp32's. A 20 ms Horovod cycle: at Horovod's 1 ms, its control plane
+    adds about 100 kB to a 270 ms TopKEF step (measured 1.20x the payload), which is not what this checks."""
     s = bench_run(tmp_path, "--link", "1gbit", "--arms", "horovod dense,topkef,hvd_topk artopk,hvd_topk allgather,"
-                  "hvd_topk allgather fp16", "--steps", "12", "--turn", "3", "--eval-every", "12", "--cycle-ms", "20")
+                  "hvd_topk allgather fp32", "--steps", "12", "--turn", "3", "--eval-every", "12", "--cycle-ms", "20")
     a = s["arms"]
     assert a["horovod dense"]["bytes"] >= 0.95 * a["horovod dense"]["theoretical_bytes"]
-    for name in ("topkef", "hvd_topk artopk", "hvd_topk allgather", "hvd_topk allgather fp16"):
-        assert a[name]["measured_over_theoretical"] <= 1.1, (name, a[name]["measured_over_theoretical"])
+    for name in ("topkef", "hvd_topk artopk", "hvd_topk allgather", "hvd_topk allgather fp32"):
+        assert 0.9 <= a[name]["measured_over_theoretical"] <= 1.1, (name, a[name]["measured_over_theoretical"])
         assert a[name]["bytes"] <= a["horovod dense"]["bytes"] / 20, name
-    assert a["hvd_topk allgather fp16"]["bytes"] <= 0.85 * a["hvd_topk allgather"]["bytes"]
+    # Payload at ratio 0.01: 63,306 entries of 4 compressed tensors in one bucket, 4 bytes each in bf16
+    # (value + 16-bit offset) against 6 in fp32, beside the same frame, header, block counts and dense
+    # 1-D tensors (18 kB): 271 kB against 398 kB, 0.68. An overhead X common to both (control plane,
+    # headers) gives (271 + X) / (398 + X), 0.70 at the 27 kB the 1.1 bound leaves the bf16 arm; even
+    # the bf16 arm at 1.1x against the fp32 arm at its bare payload gives 0.75 (and TCP's headers keep
+    # the fp32 arm above its payload). fp32 values on the default arm would make it about 1.
+    assert a["hvd_topk allgather"]["theoretical_bytes"] <= 0.7 * a["hvd_topk allgather fp32"]["theoretical_bytes"]
+    assert a["hvd_topk allgather"]["bytes"] <= 0.75 * a["hvd_topk allgather fp32"]["bytes"]
 
 
 @pytest.mark.slow
