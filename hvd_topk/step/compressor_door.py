@@ -103,6 +103,7 @@ class CompressorDoor(Compressor):
         door = type(self).__name__                                     # what the keys' errors name
         self.keys = SlotSequence(door) if named_parameters is None else ParameterKeys(named_parameters, door)
         self.memory, self._step = ResidualMemory(), PendingStep()     # key -> residual; this step's candidates
+        self._world_size = None           # the process set's size when the last key was handed out
 
     @classmethod
     def default(cls):
@@ -119,6 +120,14 @@ class CompressorDoor(Compressor):
         if getattr(self.keys, "interrupted", False):
             self._step, self.keys.interrupted = PendingStep(), False
             self._forget()
+        # An elastic reset that added or removed ranks need not interrupt a step (Horovod resets at a
+        # commit), but a rank that joined has no buckets, warm starts or index sets: every rank drops
+        # what the old set shared, at its first key after the reset, so all start alike.
+        size = self.process_set.size()
+        if size != self._world_size:
+            if self._world_size is not None:
+                self._forget()
+            self._world_size = size
         return key
 
     @ClassOrInstance

@@ -152,11 +152,15 @@ class CompressorTransports:
         self.sent_numels = {}
 
     def forget(self):
-        """An abandoned step (elastic reset): only an empty start is the same on every rank."""
+        """An abandoned step or a new set of ranks (elastic reset): only an empty start is the same on
+        every rank, a rank that joined included: no buckets either (each key travels alone for a step,
+        then every rank plans the same buckets)."""
         self.artopk.forget()
         for transport in self.own.values():
             transport.forget()
         self.steps.clear()
+        self.sent_numels, self.planned = {}, False
+        self.fused.plan([], {}, 0)
 
 
 def transports_state(transports):
