@@ -40,9 +40,8 @@ OWN = ("split_reduce", "allgather", "hierarchical")     # the transports that st
 
 class CompressorTransports:
     """One ``TopKEF``'s transport state, per rank, over the stack ``build_transports`` makes of its
-    settings. Made with its TopKEF, it builds nothing until first used (Horovod's first ``compress``;
-    ``'hierarchical'`` then finds the hosts' process sets, a collective): making a TopKEF runs no
-    collective, and a checkpoint loaded before that waits in ``_restored``.
+    settings, built at first use (Horovod's first ``compress``; ``'hierarchical'`` then finds the hosts'
+    process sets, a collective), so making a TopKEF runs none; a checkpoint loaded before waits in ``_restored``.
 
     Args:
         settings: the TopKEF's ``TopKSettings`` (communication, budget, sync_indices).
@@ -152,14 +151,12 @@ class CompressorTransports:
         self.sent_numels = {}
 
     def forget(self):
-        """An abandoned step or a new set of ranks (elastic reset): only an empty start is the same on
-        every rank, a rank that joined included: no buckets either (each key travels alone for a step,
-        then every rank plans the same buckets)."""
+        """An abandoned step or new ranks (elastic reset): only an empty start, without buckets (a joined
+        rank has none; each key goes alone for a step, then all plan alike), is the same on every rank."""
         self.artopk.forget()
         for transport in self.own.values():
             transport.forget()
-        self.steps.clear()
-        self.sent_numels, self.planned = {}, False
+        self.steps, self.sent_numels, self.planned = {}, {}, False
         self.fused.plan([], {}, 0)
 
 
