@@ -37,11 +37,21 @@ def write(out, records, command, targets=(), title=None, page=None, load=None):
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table(summary, records))
     with open(os.path.join(out, "headline.json"), "w") as f:
-        json.dump(headline(summary, title, page), f, indent=1, ensure_ascii=False)
+        json.dump(headline(summary, title, page, _run_date(out)), f, indent=1, ensure_ascii=False)
         f.write("\n")
     plot_curves(records, summary, os.path.join(out, "curves.png"))
     plot_steps(summary, os.path.join(out, "steps.png"))
     return summary
+
+
+def _run_date(out):
+    """The day the run started (its manifest's, written first), so that a run past midnight is dated
+    as its folder is; today's date where there is no manifest yet."""
+    try:
+        with open(os.path.join(out, "manifest.json")) as f:
+            return str(json.load(f)["date"])[:10]
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def rebuild(out):
@@ -127,7 +137,7 @@ def _stats_lines(summary):
     return lines
 
 
-def headline(summary, title=None, page=None):
+def headline(summary, title=None, page=None, date=None):
     """The run's headline figures: each arm's median step and bytes against the reference's (without
     one: each arm's own), and the arms' time to the first relative target (else the first fixed one)."""
     s, ref = summary["setup"], summary["reference"]
@@ -150,7 +160,8 @@ def headline(summary, title=None, page=None):
                      "value": ", ".join(f"{n} {'not reached' if t is None else f'{t:,.1f} s'}" for t, n in times),
                      "setup": setup})
     return {"title": title or f"{', '.join(arms)} side by side in one job: {setup_text(s)}",
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "page": page, "rows": rows}
+            "date": date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "page": page,
+            "rows": rows}
 
 
 def plot_curves(records, summary, path):
