@@ -20,8 +20,9 @@
 #                      mpirun (Open MPI reads the allocation and starts its daemons through srun; for
 #                      clusters whose Slurm has no PMIx plugin: check `srun --mpi=list`)
 #   HVD_TOPK_ROOT      the repository (default: the directory sbatch was run from)
-#   PYTHON             interpreter for a *.py script (default: $HVD_TOPK_ROOT/.venv/bin/python if
-#                      present, else python3)
+#   PYTHON             interpreter for a *.py script (default: the venv's python if present, the venv
+#                      being $HVD_TOPK_VENV as scripts/install.sh made it, else $HVD_TOPK_ROOT/.venv;
+#                      else python3)
 #   HVD_TOPK_ARGS_FILE a tab-separated file; line SLURM_ARRAY_TASK_ID+1 is appended to the script's
 #                      arguments (slurm/sweep.py writes it for job arrays)
 #   HVD_TOPK_MAX_REQUEUES  stop requeueing after this many restarts (default 20): no endless loop
@@ -52,7 +53,8 @@ hvd_topk_command() {
     fi
     local python=${PYTHON:-}
     if [ -z "$python" ]; then
-        if [ -x "$HVD_TOPK_ROOT/.venv/bin/python" ]; then python=$HVD_TOPK_ROOT/.venv/bin/python; else python=python3; fi
+        local venv=${HVD_TOPK_VENV:-$HVD_TOPK_ROOT/.venv}
+        if [ -x "$venv/bin/python" ]; then python=$venv/bin/python; else python=python3; fi
     fi
     HVD_TOPK_CMD=("$@")
     case "$1" in *.py) HVD_TOPK_CMD=("$python" "$@") ;; esac
