@@ -17,7 +17,9 @@ the transports it drives are ``hvd_topk.transports``' (the optimizer's), behind 
 run their own collectives.
 """
 import contextlib
+import sys
 import threading
+import time
 
 import torch
 from horovod.torch import mpi_ops
@@ -30,6 +32,7 @@ from ..core.sparsify import sq_norm_finite
 __all__ = ["ClassOrInstance", "CompressorDoor", "PendingStep", "SHUTDOWN_GRACE_S", "ends_job_on_mismatch"]
 
 SHUTDOWN_GRACE_S = 15.0       # time the other ranks get to reach the same check and raise it themselves
+REPORT_GRACE_S = 2.0          # time the ranks that failed the same check get to write it before one exits
 
 
 class ClassOrInstance:
@@ -51,15 +54,21 @@ def ends_job_on_mismatch():
     """A check of this rank's gradient sequence failed (ValueError). Where the other ranks fail the
     same check, each raises it; a rank that does not may be waiting in a collective this rank will
     never join. So Horovod is shut down SHUTDOWN_GRACE_S seconds after the error is raised: that
-    rank's collective then fails too, and the job ends instead of hanging. (Alone, no rank waits.)"""
+    rank's collective then fails too, and the job ends instead of hanging. (Alone, no rank waits.)
+
+    The launcher kills every rank once one has exited, so a rank writes its error at once and raises it
+    only REPORT_GRACE_S later: a rank that failed the same check a little later (a loaded machine)
+    still gets to say so itself, and every rank's log names the cause."""
     try:
         yield
-    except ValueError:
+    except ValueError as error:
         if mpi_ops.size() == 1:
             raise
         timer = threading.Timer(SHUTDOWN_GRACE_S, mpi_ops.shutdown)
         timer.daemon = True
         timer.start()
+        print(f"hvd_topk: rank {mpi_ops.rank()}: {error}", file=sys.stderr, flush=True)
+        time.sleep(REPORT_GRACE_S)
         raise
 
 
