@@ -19,7 +19,7 @@ T(c) = T − comm(now) + comm(c), with the modelled communication and selection 
 
 i.e. the time to deliver a unit of gradient energy, with the gain discounted by ``weight`` < 1
 because error feedback delays what is not sent instead of losing it. The default is measured
-(``python -m bench.adaptive --calibrate``): on the digits CNN the progress per step of ratio c
+(bench/results/adaptive/calibration.md, docs/studies/2026-11-adaptive-ratio.md): on the digits CNN the progress per step of ratio c
 relative to dense, steps_dense / steps_c to a test loss, followed G(c) ** w with w from 0.18 (near
 convergence) to 0.40 (early), 0.31 on average over four thresholds. weight = 1 trades time and
 gain one for one (favours larger ratios); weight = 0 minimises step time alone (favours the smallest

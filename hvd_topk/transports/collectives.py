@@ -19,7 +19,7 @@ __all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "w
 
 # wait()'s sleeps between polls: from 20 us, doubling, to at most 100 us. HVD_TOPK_SPIN_WAIT=1 waits as
 # Horovod does (spinning): the least latency where every rank has cores of its own, and the baseline
-# of the A/B measurement in docs/results.md.
+# of the A/B measurement in docs/studies/2026-11-wait-poll-vs-spin.md.
 _FIRST_SLEEP_S, _LONGEST_SLEEP_S = 2e-5, 1e-4
 _SPIN = os.environ.get("HVD_TOPK_SPIN_WAIT") == "1"
 
@@ -85,9 +85,9 @@ class Collectives:
     them has been submitted once, then start together: one grouped allreduce and one grouped
     allgather per dtype, tensors in key order, which Horovod negotiates as one and fuses into one
     buffer, so the step sends fewer and larger messages (at small ratios the per-message cost
-    dominates: see docs/results.md). The first ``wait`` of a step starts every group still pending as it is:
-    the same on every rank when every rank submitted the same keys, as Horovod's collectives require
-    anyway.
+    dominates: docs/studies/2026-11-fewer-messages-groups.md). The first ``wait`` of a step starts
+    every group still pending as it is: the same on every rank when every rank submitted the same
+    keys, as Horovod's collectives require anyway.
 
     Args:
         name: prefix of the grouped collectives' names (identical on all ranks).
