@@ -41,6 +41,7 @@ time.sleep(3600)
 """
 
 
+@pytest.mark.slow
 def test_each_entry_has_its_own_outcome_and_later_entries_still_run(tmp_path):
     scripts = {}
     for name, text in (("ok", OK), ("fails", FAILS_ON_RANK_1), ("hangs", HANGS)):

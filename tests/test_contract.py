@@ -45,14 +45,17 @@ def test_compressed_keeps_ranks_identical(results, jobs):
 
 # sync_twice: Horovod compresses every gradient again, in a per-process order, but they are the very
 # tensors of the step before, which keep their slots (hvd_topk/step/gradient_keys.py)
-@pytest.mark.parametrize("class_job", [contract_job(scenario, "topkef_class")
+# Each class-form job is a launch of its own (about 10 s): the fast loop keeps one of each test.
+@pytest.mark.parametrize("class_job", [pytest.param(contract_job(scenario, "topkef_class"),
+                                                    marks=[] if scenario == "sync_twice" else [pytest.mark.slow])
                                        for scenario in ["sparse", "sparse_as_dense", "schedule", "sync_twice"]],
                          ids=["sparse", "sparse_as_dense", "schedule", "sync_twice"])
 def test_class_form_works_where_positions_are_stable(results, class_job):
     assert_identical_across_ranks(results(class_job))
 
 
-@pytest.mark.parametrize("refused", [contract_job(scenario, "topkef_class", timeout=120, fails=True)
+@pytest.mark.parametrize("refused", [pytest.param(contract_job(scenario, "topkef_class", timeout=120, fails=True),
+                                                  marks=[] if scenario == "uneven" else [pytest.mark.slow])
                                      for scenario in ["uneven", "gan"]], ids=["uneven", "gan"])
 def test_class_form_fails_on_every_rank_naming_the_fix(results, refused):
     """compression=TopKEF cannot know which parameter a gradient is; where positions change, every

@@ -297,6 +297,7 @@ RESUMED_FROM_DAMAGED = job(2, "opt_train.py", "--steps", 10, "--resume", OutOf(S
                            timeout=90, alone=True, fails=True)
 
 
+@pytest.mark.slow
 @pytest.mark.jobs(RESUMED_FROM_DAMAGED)
 def test_damaged_checkpoint_on_one_rank_fails_every_rank(results, record_property):
     """Rank 1's file corrupted: every rank raises at once (the ranks agree before loading), instead of

@@ -189,6 +189,7 @@ def test_within_a_process_set(results):
     assert check_against_reference(ranks, True) == 4 * 2
 
 
+@pytest.mark.slow
 @pytest.mark.jobs(HOSTS)
 def test_through_the_hosts_as_the_flat_transport(results):
     """'hierarchical': each phase reduce-scattered inside the host, each shard allreduced across the

@@ -39,13 +39,12 @@ def door(results_, name):
     return [dict(r[name], error=r["error"]) for r in results_]
 
 
-@pytest.mark.jobs(NAN, SUM3)
-@pytest.mark.parametrize("np", (2, 3))
-def test_both_doors_identical_everywhere_and_alike(results, np):
+@pytest.mark.parametrize("np,doors_job", [(2, NAN), pytest.param(3, SUM3, marks=pytest.mark.slow)], ids=["2", "3"])
+def test_both_doors_identical_everywhere_and_alike(results, np, doors_job):
     """Every rank ends with the same parameters, and the stock door with the optimizer door's: the same
     transport, the same Q's and sums (2 ranks: bit for bit; 3 ranks: Horovod's sum of the uncompressed
     biases may add in another order)."""
-    res = results(NAN if np == 2 else SUM3)
+    res = results(doors_job)
     assert all(r["error"] is None for r in res)
     for name in BOTH:
         assert_identical_across_ranks(door(res, name))
@@ -63,10 +62,9 @@ def test_both_doors_identical_everywhere_and_alike(results, np):
     assert not torch.equal(res[0]["stock"]["residuals"]["3.weight"], res[1]["stock"]["residuals"]["3.weight"])
 
 
-@pytest.mark.jobs(NAN, SUM3)
-@pytest.mark.parametrize("np", (2, 3))
-def test_a_nan_on_one_rank_skips_the_step_on_every_rank(results, np):
-    res = results(NAN if np == 2 else SUM3)
+@pytest.mark.parametrize("np,doors_job", [(2, NAN), pytest.param(3, SUM3, marks=pytest.mark.slow)], ids=["2", "3"])
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(results, np, doors_job):
+    res = results(doors_job)
     for r in res:
         for name in BOTH + (("dense",) if np == 2 else ()):
             skipped = r[name]["skipped"]
@@ -97,6 +95,7 @@ def test_resumed_from_per_rank_checkpoints_bit_for_bit(results):
                 assert torch.equal(resumed[r][name]["params"][key], value), (r, name, key)
 
 
+@pytest.mark.slow
 @pytest.mark.jobs(IN_SET)
 def test_within_a_process_set(results):
     """The optimizers reduce within {0, 2} of 3 ranks: ranks 0 and 2 identical, rank 1 on its own."""
@@ -110,6 +109,7 @@ def test_within_a_process_set(results):
         assert torch.equal(res[0]["stock"]["params"][key], value), key
 
 
+@pytest.mark.slow
 @pytest.mark.jobs(NOT_GIVEN)
 def test_the_class_form_in_a_process_set_fails_every_rank_naming_it(results):
     """compression=PowerSGD (the class) runs over all ranks; the optimizer reduces within {0, 2}: ranks
