@@ -16,8 +16,9 @@ from horovod.torch.mpi_ops import Average, Sum
 from .core.validate import check_choice, check_int, check_number
 
 __all__ = ["check_topk_settings", "check_lowrank_settings", "check_lowrank_use", "topk_only_settings",
-           "check_optimizer_settings", "check_hierarchical", "check_optimizer", "check_groups",
-           "STOCK_COMMUNICATIONS", "COMMUNICATIONS", "COMPRESSES", "LEADERS", "SELECTIONS", "VALUES"]
+           "check_optimizer_settings", "check_hierarchical", "check_stock_selection", "check_optimizer",
+           "check_groups", "STOCK_COMMUNICATIONS", "GLOBAL_STOCK_COMMUNICATIONS", "COMMUNICATIONS", "COMPRESSES",
+           "LEADERS", "SELECTIONS", "VALUES"]
 
 STOCK_COMMUNICATIONS = ("split_reduce", "hierarchical", "allgather", "artopk", "dense")     # TopKEF's
 COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto", "lowrank")  # optimizer's
@@ -26,6 +27,8 @@ PIN_TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather", "lowrank")    
 COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
+# TopKEF's with selection='global': the transports that carry their own values (and dense, which selects nothing)
+GLOBAL_STOCK_COMMUNICATIONS = ("split_reduce", "allgather", "hierarchical", "dense")
 VALUES = ("bf16", "fp16", "fp32")          # TopKSettings.values: hvd_topk.core.codec's kinds of float32 values
 
 
@@ -39,7 +42,8 @@ def check_topk_settings(settings):
             "sync_indices": bool(settings.sync_indices),
             "values": check_choice("values", settings.values, VALUES),
             "bucket_cap_mb": check_number("bucket_cap_mb", settings.bucket_cap_mb, low=0,
-                                          what="(MB of float32 gradient per bucket; 0: one bucket)")}
+                                          what="(MB of float32 gradient per bucket; 0: one bucket)"),
+            "selection": check_choice("selection", settings.selection, SELECTIONS)}
 
 
 def check_lowrank_settings(settings):
@@ -91,6 +95,16 @@ def check_hierarchical(communication, process_set):
     """ValueError if ``communication`` is hierarchical in a set other than the global one."""
     if communication == "hierarchical" and process_set is not mpi_ops.global_process_set:
         raise ValueError("communication='hierarchical' needs the global process set (it builds its own per host)")
+
+
+def check_stock_selection(settings):
+    """ValueError where ``TopKEF`` cannot select globally: its global selection sends the step's accumulators
+    at the first ``decompress``, through a transport that carries its own values; artopk's values ride in
+    Horovod's allreduce, each tensor's as ``compress`` returns them, before the step's others exist."""
+    if settings.selection == "global" and settings.communication not in GLOBAL_STOCK_COMMUNICATIONS:
+        raise ValueError(f"selection must be 'layerwise' with communication={settings.communication!r} in TopKEF, "
+                         f"got 'global' (TopKEF selects globally with communication one of "
+                         f"{GLOBAL_STOCK_COMMUNICATIONS}; hvd_topk.DistributedOptimizer with artopk too)")
 
 
 def check_optimizer_settings(s):

@@ -17,6 +17,10 @@ drives) with Horovod's public asynchronous collectives, named per parameter:
   leader's choice.
 - ``dense`` (or ratio 1.0): the gradient + one flag go to Horovod's allreduce: dense Horovod.
 
+``selection='global'`` (split_reduce, allgather, hierarchical): ``compress`` keeps each accumulator and
+hands Horovod the token; the step's first ``decompress`` runs one top-k over all of them
+(``hvd_topk.step.compressor_global``), residuals still per parameter.
+
 Which parameter a gradient belongs to: ``gradient_keys``. Horovod's ``op`` may be Average or Sum
 (``gradient_predivide_factor`` included); Adasum raises at the first step, on every rank, and so does
 an optimizer ``process_set`` that TopKEF was not given (the token's sum shows both).
@@ -35,9 +39,10 @@ from typing import Hashable, NamedTuple, Optional
 import torch
 from horovod.torch import mpi_ops
 
-from .arguments import STOCK_COMMUNICATIONS, check_hierarchical
+from .arguments import STOCK_COMMUNICATIONS, check_hierarchical, check_stock_selection
 from .settings import TopKSettings
 from .step.compressor_door import ClassOrInstance, CompressorDoor
+from .step.compressor_global import GlobalSelection
 from .step.compressor_transports import CompressorTransports, load_transports_state, transports_state
 from .core.sparsify import k_for, sq_norm_finite
 
@@ -56,6 +61,7 @@ class _Ctx(NamedTuple):
     started: object = None                     # split_reduce/allgather: the transport in flight
     indices: Optional[torch.Tensor] = None     # artopk: shared index set; None when all entries were sent
     acc: Optional[torch.Tensor] = None         # the accumulator: with its sent entries zeroed, the residual
+    pooled: bool = False                       # selection='global': in the step's one top-k
 
 
 class TopKEF(CompressorDoor):
@@ -87,6 +93,8 @@ class TopKEF(CompressorDoor):
             stays in the residual.
         bucket_cap_mb: split_reduce and allgather send the tensors in buckets of at most this many MB of
             float32 gradient, each as soon as its gradients are ready (from the second step); 0: one bucket.
+        selection: ``'layerwise'`` (default: a top-k per tensor) or ``'global'``: one top-k over all the
+            step's compressed tensors, sent at the first ``decompress`` (not with ``'artopk'``).
 
     Example:
         >>> import horovod.torch as hvd, torch
@@ -105,13 +113,17 @@ class TopKEF(CompressorDoor):
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
                  process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0, values="bf16",
-                 bucket_cap_mb=25.0):
-        settings = TopKSettings(ratio, min_numel, communication, budget, sync_indices, values, bucket_cap_mb)
+                 bucket_cap_mb=25.0, selection="layerwise"):
+        settings = TopKSettings(ratio, min_numel, communication, budget, sync_indices, values, bucket_cap_mb,
+                                selection)
         check_hierarchical(settings.communication, process_set)
+        check_stock_selection(settings)
         super().__init__(settings, named_parameters, process_set)
         self.transports = CompressorTransports(settings, tag=f"hvd_topk.TopKEF{next(TopKEF._instances)}",
                                                key_index=self.keys.key_index, process_set=process_set,
                                                mismatch_hint=_MISMATCH_HINT if named_parameters is None else "")
+        self.pool = GlobalSelection(self.transports, settings.ratio) \
+            if settings.selection == "global" and settings.communication != "dense" else None
 
     def _compress(self, tensor):
         """``(tensor_to_allreduce, ctx)``: the token, ``[k values..., flag]`` (+ the token in a tensor's
@@ -123,17 +135,23 @@ class TopKEF(CompressorDoor):
         if tensor.numel() < self.settings.min_numel:
             self.transports.stats.add_sent(tensor.numel() * tensor.element_size(), 0.0, 0.0, dense=True)
             return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
-        acc = self.memory.compensate(key, tensor)
+        acc, k = self.memory.compensate(key, tensor), k_for(tensor.numel(), self.settings.ratio)
+        if self.pool is not None and k < acc.numel():   # else everything goes: dense, as layer-wise
+            return self.pool.send(key, acc, tensor), _Ctx(dense=False, key=key, shape=tuple(tensor.shape),
+                                                          pooled=True)
         acc_sq, finite = sq_norm_finite(acc)
-        buf, started, indices = self.transports.send(key, acc, k_for(acc.numel(), self.settings.ratio), finite,
-                                                     tensor, acc_sq=acc_sq)
+        buf, started, indices = self.transports.send(key, acc, k, finite, tensor, acc_sq=acc_sq)
         return buf, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started, indices=indices, acc=acc)
 
     def _receive(self, tensor, ctx):
+        if ctx.pooled:
+            return self.pool.receive(tensor, ctx.key)
         return self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started, ctx.indices, ctx.acc)
 
     def _forget(self):
         self.transports.forget()
+        if self.pool is not None:
+            self.pool.forget()
 
     def _after_compress(self):
         if self.keys.step_complete():
@@ -153,6 +171,7 @@ class TopKEF(CompressorDoor):
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
         return {"ratio": self.settings.ratio, "communication": self.settings.communication,
+                "selection": self.settings.selection,
                 "signatures": list(getattr(self.keys, "signatures", [])),
                 "residuals": self.memory.state_dict(), **transports_state(self.transports)}
 

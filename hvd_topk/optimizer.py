@@ -82,6 +82,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     chosen = getattr(compression, "settings", None)    # the class's defaults, or an instance's
     if not isinstance(chosen, (TopKSettings, PowerSGDSettings)):
         raise ValueError(f"compression must be TopKEF or PowerSGD, the class or an instance, got {compression!r}")
+    if getattr(chosen, "selection", "layerwise") == "global":     # TopKEF(selection='global'): here too
+        settings = dataclasses.replace(settings, selection="global")
     communication = chosen.communication if communication is None else communication
     check_lowrank_use(settings, communication, chosen.kind)
     # the other kind at its defaults: auto and pins may send a tensor with either

@@ -48,6 +48,9 @@ class TopKSettings(CompressorSettings):
         bucket_cap_mb: split_reduce and allgather send their tensors in buckets of at most this many MB of
             float32 gradient (reverse registration order, as DDP), one collective per bucket and phase,
             each bucket leaving once its gradients are ready; > 0, or 0 for one bucket per step.
+        selection: ``'layerwise'`` (a top-k per tensor) or ``'global'`` (one over the step's compressed
+            tensors, ``hvd_topk.arguments.SELECTIONS``; the optimizer selects globally if this or its
+            ``OptimizerSettings.selection`` says so).
 
     Example:
         >>> TopKSettings(ratio=0.001).min_numel
@@ -61,6 +64,7 @@ class TopKSettings(CompressorSettings):
     sync_indices: bool = False
     values: str = "bf16"
     bucket_cap_mb: float = 25.0
+    selection: str = "layerwise"
 
     def __post_init__(self):
         for name, value in check_topk_settings(self).items():

@@ -52,6 +52,26 @@ def test_one_collective_per_bucket_and_phase_and_the_time_split(results, np, doo
         assert (s["time_optimizer_s"] > 0) == (door == "opt")          # TopKEF cannot see the optimizer
 
 
+@pytest.mark.jobs(*JOBS.values())
+@pytest.mark.parametrize("np", (2, 3))
+@pytest.mark.parametrize("communication", ("split_reduce", "allgather"))
+def test_both_doors_give_the_same_parameters_layerwise_and_global(results, np, communication):
+    """With exact values the two front doors train alike, bit for bit: layer-wise, and with
+    ``selection='global'`` (TopKEF's one top-k over the step's tensors at its first decompress, the
+    optimizer's over its bucket at synchronize()), which sends one tensor and differs from layer-wise."""
+    ranks = results(JOBS[np])
+    for label in ("buckets", "global"):
+        runs = {door: (door, communication, "fp32", label) for door in ("opt", "stock")}
+        assert_identical_across_ranks([res[runs["stock"]] for res in ranks])
+        opt, stock = (ranks[0][run]["params"] for run in runs.values())
+        for name, value in opt.items():
+            assert torch.equal(stock[name], value), (label, name)
+    for door in ("opt", "stock"):
+        assert ranks[0][(door, communication, "fp32", "global")]["stats"]["sparse_tensors"] == 1
+        assert not torch.equal(ranks[0][(door, communication, "fp32", "global")]["params"]["body.0.weight"],
+                               ranks[0][(door, communication, "fp32", "buckets")]["params"]["body.0.weight"])
+
+
 def test_buckets_follow_reverse_registration_order_within_the_cap():
     numels = {"a": 10, "b": 20, "c": 5, "d": 40}
     assert plan_buckets("abcd", numels, cap=30) == [["d"], ["c", "b"], ["a"]]

@@ -215,8 +215,11 @@ def transport_job(np, communication, *extra):
     return job(np, "train.py", "--named", "--communication", communication, "--ratio", 0.05, *extra)
 
 
-EF_JOBS = {(np, c): transport_job(np, c, "--steps", 8, "--record-ef", 8, "--dtype", "float64", "--reverse-odd")
-           for np in (2, 4) for c in TRANSPORTS}
+EF_ARGS = ("--steps", 8, "--record-ef", 8, "--dtype", "float64", "--reverse-odd")
+EF_JOBS = {(np, c): transport_job(np, c, *EF_ARGS) for np in (2, 4) for c in TRANSPORTS}
+# TopKEF(selection='global'): one top-k over the step's compressed tensors, residuals still per parameter
+GLOBAL = ("split_reduce", "allgather")
+EF_JOBS.update({(2, f"{c}-global"): transport_job(2, c, "--selection", "global", *EF_ARGS) for c in GLOBAL})
 
 
 @pytest.mark.parametrize("ef_job", list(EF_JOBS.values()), ids=[f"{np}-{c}" for np, c in EF_JOBS])
@@ -248,9 +251,11 @@ def test_every_transport_sums_what_left_the_ranks_in_any_order(results, ef_job):
 
 
 NAN_JOBS = {c: transport_job(2, c, "--steps", 12, "--nan-rank", 1, "--nan-step", 6) for c in TRANSPORTS}
+NAN_JOBS["split_reduce-global"] = transport_job(2, "split_reduce", "--selection", "global", "--steps", 12,
+                                                "--nan-rank", 1, "--nan-step", 6)
 
 
-@pytest.mark.parametrize("nan_job", list(NAN_JOBS.values()), ids=TRANSPORTS)
+@pytest.mark.parametrize("nan_job", list(NAN_JOBS.values()), ids=list(NAN_JOBS))
 def test_every_transport_skips_a_nan_step_everywhere_and_keeps_residuals(results, nan_job):
     ranks = results(nan_job)
     assert_identical_across_ranks(ranks)

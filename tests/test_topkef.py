@@ -9,6 +9,9 @@ from hvd_topk.compression import STOCK_COMMUNICATIONS
 from hvd_topk.core.sparsify import k_for
 
 SPARSE = [c for c in STOCK_COMMUNICATIONS if c != "dense"]
+GLOBAL = ["split_reduce", "allgather", "hierarchical"]        # TopKEF(selection='global')'s sparse transports
+# (communication, selection): every sparse transport layer-wise, and those that select globally
+SELECTED = [(c, "layerwise") for c in SPARSE] + [(c, "global") for c in GLOBAL]
 
 
 def run_step(comp, grads):
@@ -101,10 +104,10 @@ def test_small_and_integer_tensors_pass_through_unchanged(hvd):
         assert comp.decompress(out, ctx) is t
 
 
-@pytest.mark.parametrize("communication", SPARSE)
-def test_error_feedback_invariant_float64(hvd, communication):
+@pytest.mark.parametrize("communication, selection", SELECTED)
+def test_error_feedback_invariant_float64(hvd, communication, selection):
     torch.manual_seed(0)
-    comp = TopKEF(ratio=0.05, min_numel=0, communication=communication)
+    comp = TopKEF(ratio=0.05, min_numel=0, communication=communication, selection=selection)
     shapes = [(40, 30), (40, 30), (300,)]          # two slots share a shape: must not mix
     total_grad = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
     total_sent = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
@@ -203,9 +206,9 @@ def test_non_finite_gradient_gives_nan_everywhere_and_keeps_residual(hvd, commun
     assert torch.isfinite(dense).all()
 
 
-@pytest.mark.parametrize("communication", SPARSE)
-def test_non_finite_in_one_tensor_nans_the_whole_step_and_keeps_every_residual(hvd, communication):
-    comp = TopKEF(ratio=0.1, min_numel=50, communication=communication)
+@pytest.mark.parametrize("communication, selection", SELECTED)
+def test_non_finite_in_one_tensor_nans_the_whole_step_and_keeps_every_residual(hvd, communication, selection):
+    comp = TopKEF(ratio=0.1, min_numel=50, communication=communication, selection=selection)
     grads = [torch.randn(200), torch.randn(300), torch.randn(10)]
     run_step(comp, grads)
     before = {slot: r.clone() for slot, r in comp.memory.residuals.items()}
@@ -220,19 +223,63 @@ def test_non_finite_in_one_tensor_nans_the_whole_step_and_keeps_every_residual(h
     assert all(torch.equal(comp.memory.residuals[s], before[s]) for s in before)
 
 
-@pytest.mark.parametrize("communication", SPARSE)
-def test_state_dict_roundtrip_continues_identically(hvd, communication):
+@pytest.mark.parametrize("communication, selection", SELECTED)
+def test_state_dict_roundtrip_continues_identically(hvd, communication, selection):
     torch.manual_seed(0)
-    grads = [torch.randn(500) for _ in range(8)]
-    ref = TopKEF(ratio=0.02, min_numel=0, communication=communication)
-    outs_ref = [roundtrip(ref, g)[1] for g in grads]
-    first = TopKEF(ratio=0.02, min_numel=0, communication=communication)
-    for g in grads[:4]:
-        roundtrip(first, g)
-    resumed = TopKEF(ratio=0.02, min_numel=0, communication=communication)
+    steps = [[torch.randn(500), torch.randn(20, 30) * 3] for _ in range(8)]
+
+    def make():
+        return TopKEF(ratio=0.02, min_numel=0, communication=communication, selection=selection)
+    ref = make()
+    outs_ref = [[out for _, out in run_step(ref, grads)] for grads in steps]
+    first = make()
+    for grads in steps[:4]:
+        run_step(first, grads)
+    resumed = make()
     resumed.load_state_dict(first.state_dict())
-    for g, expected in zip(grads[4:], outs_ref[4:]):
-        assert torch.equal(roundtrip(resumed, g)[1], expected)
+    for grads, expected in zip(steps[4:], outs_ref[4:]):
+        assert all(torch.equal(out, e) for (_, out), e in zip(run_step(resumed, grads), expected))
+
+
+# -- selection='global': one top-k over the step's compressed tensors ------------------------------------
+
+@pytest.mark.parametrize("bad", ["all", None, "Global"])
+def test_bad_selection_names_argument_and_choices(bad):
+    with pytest.raises(ValueError, match=r"selection must be one of \('layerwise', 'global'\)"):
+        TopKEF(selection=bad)
+
+
+def test_global_selection_with_artopk_names_selection_and_what_it_accepts():
+    with pytest.raises(ValueError, match="selection must be 'layerwise' with communication='artopk'.*'split_reduce'"):
+        TopKEF(communication="artopk", selection="global")
+    assert TopKEF(communication="dense", selection="global").pool is None     # dense selects nothing
+
+
+@pytest.mark.parametrize("communication", GLOBAL)
+def test_global_selection_takes_the_top_k_of_all_tensors_and_keeps_residuals_per_tensor(hvd, communication):
+    """k = k_for(total, ratio) entries over both tensors, all from the large one (layer-wise would send
+    each its own k); Horovod gets a token per tensor; the rest stays in each tensor's own residual."""
+    big, small = torch.randn(400) + 100 * torch.sign(torch.randn(400)), torch.randn(600)
+    comp = TopKEF(ratio=0.05, min_numel=0, communication=communication, values="fp32", selection="global")
+    compressed = [comp.compress(g) for g in (small, big)]
+    assert [out.numel() for out, _ in compressed] == [4, 4]
+    outs = [comp.decompress(out.clone(), ctx) for out, ctx in compressed]
+    assert int((outs[1] != 0).sum()) == k_for(1000, 0.05) and not outs[0].any()
+    assert torch.equal(comp.memory.residuals[0], small) and comp.stats()["sparse_tensors"] == 1
+    torch.testing.assert_close(comp.memory.residuals[1] + outs[1], big, rtol=0, atol=0)
+    assert TopKEF(ratio=0.05, selection="global").state_dict()["selection"] == "global"
+
+
+def test_the_optimizer_selects_globally_when_topkef_does(hvd):
+    import torch.nn as nn
+
+    import hvd_topk
+    model = nn.Linear(64, 32)
+
+    def selection(compression):
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=compression)
+        return opt._hvd_topk.selection
+    assert selection(TopKEF(selection="global")) == "global" and selection(TopKEF()) == "layerwise"
 
 
 def test_index_pipeline_shares_sets_at_flush_and_refuses_a_checkpoint_mid_step(hvd):

@@ -97,8 +97,8 @@ class StepCoordinator:
             self.fused.advance()
             return lambda: self.hand_out(name, p, started.finish().aggregate, None, u_new)
         if self.selection == "global":
-            self.bucket.add(name, p, g, u_new)
-            return lambda: self.hand_out(name, *self.bucket.output(name, self._send_bucket))
+            self.bucket.add(name, g)
+            return lambda: self.hand_out(name, p, *self.bucket.output(name, self._send_bucket)[:2], u_new)
         with self.stats.selecting():          # accumulate + select (packing apart)
             pending = self._start(name, g)
         self.sent_keys.add(name)
@@ -143,7 +143,7 @@ class StepCoordinator:
     def _send_bucket(self, flat):              # the global bucket's one tensor, at synchronize()
         with self.stats.selecting():
             pending = self._start(GLOBAL_KEY, flat)
-        return self._finish(GLOBAL_KEY, pending)
+        return (*self._finish(GLOBAL_KEY, pending), None)     # its residual stays whole, under GLOBAL_KEY
 
     def hand_out(self, name, p, aggregate, sent, u_new):
         """The aggregate as p's gradient (NaN everywhere if some rank was non-finite); queues the velocity."""

@@ -5,7 +5,8 @@ orders on different ranks (odd ranks: one backward pass per parameter, last laye
 with a layer that rank 0 never uses (Horovod submits its zero gradient at ``synchronize()``). Each of
 hvd_topk.DistributedOptimizer and stock Horovod with TopKEF, each of split_reduce and allgather, runs
 with exact values ('fp32') three times: every tensor alone (``bucket_cap_mb`` of one element), in
-several buckets, and in one bucket for the whole step; then once with the default 16-bit values.
+several buckets, and in one bucket for the whole step; then once with the default 16-bit values, and
+once with ``selection='global'`` (exact values: one top-k over the step's tensors, both doors alike).
 Writes ``<out>/rank<r>.pt``: per run the final parameters and the last step's stats.
 """
 import argparse
@@ -44,11 +45,12 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def train(door, communication, values, cap):
+def train(door, communication, values, cap, selection="layerwise"):
     torch.manual_seed(1234)
     model = Net()
+    # the optimizer door selects as TopKEF's settings say, too
     compression = hvd_topk.TopKEF(ratio=0.05, min_numel=0, named_parameters=model.named_parameters(),
-                                  communication=communication, values=values, bucket_cap_mb=cap)
+                                  communication=communication, values=values, bucket_cap_mb=cap, selection=selection)
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if door == "opt":
         opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
@@ -75,4 +77,5 @@ for door in ("opt", "stock"):
         for label, cap in CAPS.items():
             result[(door, communication, "fp32", label)] = train(door, communication, "fp32", cap)
         result[(door, communication, "bf16", "buckets")] = train(door, communication, "bf16", CAPS["buckets"])
+        result[(door, communication, "fp32", "global")] = train(door, communication, "fp32", CAPS["buckets"], "global")
 torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))

@@ -39,6 +39,7 @@ p.add_argument("--crash-rank", type=int, default=-1, help="this rank exits with 
 p.add_argument("--freeze-step", type=int, default=-1, help="freeze a middle layer's weight here")
 p.add_argument("--warmup", type=int, default=3, help="steps before timing and byte counting")
 p.add_argument("--communication", default="split_reduce", help="TopKEF's transport")
+p.add_argument("--selection", default="layerwise", help="TopKEF's selection")
 p.add_argument("--named", action="store_true", help="TopKEF keyed by named_parameters (else by position)")
 p.add_argument("--reverse-odd", action="store_true",
                help="odd ranks make their gradients ready in reverse order (one backward pass per parameter)")
@@ -57,7 +58,7 @@ for _ in range(args.depth):
 model = nn.Sequential(*layers, nn.Linear(width_in, 1)).to(dtype)
 opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=args.momentum)
 compression = (TopKEF(ratio=args.ratio, min_numel=args.min_numel, sync_indices=args.sync_indices,
-                      communication=args.communication,
+                      communication=args.communication, selection=args.selection,
                       named_parameters=model.named_parameters() if args.named else None)
                if args.compression == "topkef" else hvd.Compression.none)
 opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,

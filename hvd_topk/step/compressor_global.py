@@ -1,0 +1,63 @@
+"""Global selection in ``TopKEF`` (``selection='global'``): one top-k over every compressed gradient of a step.
+
+``compress`` keeps each compressed gradient's accumulator (acc = grad + residual, per key) and hands
+Horovod only the ``op_token``. Horovod compresses every gradient of a step before it decompresses any,
+so at a step's first ``receive`` every rank holds the same accumulators: they go through the door's
+transport once, as one tensor (``bucket.GlobalBucket``, the optimizer's: sorted key order, the same on
+every rank), with k = k_for(their total numel, ratio). Each key gets its slice of the aggregate and of
+the new residual, so residuals stay per key in the door's ``ResidualMemory``: checkpoints, elastic resets
+and the NaN rule (a non-finite entry anywhere: the transport's aggregate is None on every rank) work as
+with layer-wise selection.
+
+Every gradient's token is read before its slice is handed out (the first one's before the transport
+runs): Horovod's op (Sum or Average) scales the aggregate, and a key the ranks disagree on raises on
+every rank. The transport is one that starts its own collectives (``compressor_transports.OWN``): only
+those can wait for the step's last gradient (``hvd_topk.arguments.check_stock_selection``).
+"""
+from .bucket import GLOBAL_KEY, GlobalBucket
+from ..core.sparsify import k_for, sq_norm_finite
+
+__all__ = ["GlobalSelection"]
+
+
+class GlobalSelection:
+    """One ``TopKEF``'s global selection, over its ``CompressorTransports`` (their token, stats, transport).
+
+    Args:
+        transports: the TopKEF's ``CompressorTransports``.
+        ratio: the fraction of the step's compressed entries that is kept.
+    """
+
+    def __init__(self, transports, ratio):
+        self.transports, self.ratio = transports, ratio
+        self.bucket = GlobalBucket()
+
+    def send(self, key, acc, grad):
+        """Keep ``acc`` (flat) for the step's one transport; returns the token for Horovod's allreduce."""
+        self.bucket.add(key, acc)
+        token = self.transports.token.make(key, grad)
+        self.transports.stats.add_bytes(token.numel() * token.element_size())
+        return token
+
+    def receive(self, reduced, key):
+        """(``key``'s flat slice of the aggregate, or None where some rank was non-finite; its new residual
+        or None), in the gradient's dtype (the token's)."""
+        self.transports.token.average(reduced, key)      # raises, on every rank, before any value is used
+        part = self.bucket.output(key, lambda flat: self._run(flat, reduced, key))
+        return tuple(None if t is None else t.to(reduced.dtype) for t in (part.aggregate, part.residual))
+
+    def _run(self, flat, reduced, key):
+        """The step's one transport over the bucket ``flat``; ``reduced`` is ``key``'s token, which says
+        whether Horovod averaged. Returns (aggregate or None, None, new residual or None)."""
+        stats = self.transports.stats
+        with stats.selecting():
+            acc_sq, finite = sq_norm_finite(flat)
+            transport = self.transports.own[self.transports.communication]
+            started = transport.start(GLOBAL_KEY, flat, k_for(flat.numel(), self.ratio), finite)
+        stats.add_sent(started.nbytes, started.sent_sq, acc_sq)
+        aggregate, residual = self.transports.receive(reduced, key, flat.shape, started, None, flat)
+        return aggregate, None, residual
+
+    def forget(self):
+        """An abandoned step: its kept accumulators go (their residuals were never committed)."""
+        self.bucket = GlobalBucket()
