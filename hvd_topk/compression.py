@@ -43,7 +43,7 @@ from .arguments import STOCK_COMMUNICATIONS, check_hierarchical, check_stock_sel
 from .settings import TopKSettings
 from .step.compressor_door import ClassOrInstance, CompressorDoor
 from .step.compressor_global import GlobalSelection
-from .step.compressor_transports import CompressorTransports, load_transports_state, transports_state
+from .step.compressor_transports import OWN as OWN_COLLECTIVES, CompressorTransports, load_transports_state, transports_state
 from .core.sparsify import k_for, sq_norm_finite
 
 __all__ = ["TopKEF", "STOCK_COMMUNICATIONS"]
@@ -142,6 +142,10 @@ class TopKEF(CompressorDoor):
         acc_sq, finite = sq_norm_finite(acc)
         buf, started, indices = self.transports.send(key, acc, k, finite, tensor, acc_sq=acc_sq)
         return buf, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started, indices=indices, acc=acc)
+
+    def _failed_payload(self, tensor):
+        token = super()._failed_payload(tensor) if self.settings.communication in OWN_COLLECTIVES else None
+        return tensor if tensor.numel() < self.settings.min_numel else token
 
     def _receive(self, tensor, ctx):
         if ctx.pooled:

@@ -117,6 +117,10 @@ class PowerSGD(CompressorDoor):
         started = self.transport.start(key, acc, None, sq_norm_finite(acc)[1], grad=tensor)
         return self.token.make(key, tensor), _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started)
 
+    def _failed_payload(self, tensor):
+        s = self.settings
+        return super()._failed_payload(tensor) if compressed_rank(tuple(tensor.shape), s.rank, s.min_compression_rate) else tensor
+
     def _receive(self, reduced, ctx):
         # raises, on every rank, before any value is used; then the step's phases run (first receive)
         # with Horovod's op, so the mean is P Q^T itself, as the optimizer's transport makes it

@@ -20,16 +20,19 @@ import contextlib
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
 from .gradient_keys import ParameterKeys, SlotSequence
+from .op_token import OpToken
 from ..core.memory import ResidualMemory, StepCommits
 from ..core.sparsify import sq_norm_finite
 
-__all__ = ["ClassOrInstance", "CompressorDoor", "PendingStep", "SHUTDOWN_GRACE_S", "ends_job_on_mismatch"]
+__all__ = ["ClassOrInstance", "CompressorDoor", "FailedCompress", "PendingStep", "SHUTDOWN_GRACE_S",
+           "ends_job_on_mismatch", "report_mismatch"]
 
 SHUTDOWN_GRACE_S = 15.0       # time the other ranks get to reach the same check and raise it themselves
 REPORT_GRACE_S = 2.0          # time the ranks that failed the same check get to write it before one exits
@@ -64,12 +67,24 @@ def ends_job_on_mismatch():
     except ValueError as error:
         if mpi_ops.size() == 1:
             raise
-        timer = threading.Timer(SHUTDOWN_GRACE_S, mpi_ops.shutdown)
-        timer.daemon = True
-        timer.start()
-        print(f"hvd_topk: rank {mpi_ops.rank()}: {error}", file=sys.stderr, flush=True)
+        report_mismatch(error)
         time.sleep(REPORT_GRACE_S)
         raise
+
+
+def report_mismatch(error):
+    """Write ``error`` now and shut Horovod down SHUTDOWN_GRACE_S seconds later (``ends_job_on_mismatch``)."""
+    timer = threading.Timer(SHUTDOWN_GRACE_S, mpi_ops.shutdown)
+    timer.daemon = True
+    timer.start()
+    print(f"hvd_topk: rank {mpi_ops.rank()}: {error}", file=sys.stderr, flush=True)
+
+
+class FailedCompress(NamedTuple):
+    """The ctx of a gradient whose ``compress`` failed a check: ``decompress`` raises the step's error."""
+    shape: tuple
+    dense: bool = False
+    key: str = "failed"
 
 
 class PendingStep(StepCommits):
@@ -79,6 +94,7 @@ class PendingStep(StepCommits):
     def __init__(self):
         super().__init__()
         self.outputs = []                     # the step's decompressed gradients, as handed to Horovod
+        self.failure = None                   # the ValueError a compress of this step raised, if one did
 
     def hand_out(self, out, finite, like, shape):
         if not finite and not self.nonfinite:
@@ -141,11 +157,32 @@ class CompressorDoor(Compressor):
 
     @ClassOrInstance
     def compress(self, tensor):
-        """Horovod contract: ``(tensor_to_allreduce, ctx)`` (the subclass's ``_compress``)."""
-        with ends_job_on_mismatch():
+        """Horovod contract: ``(tensor_to_allreduce, ctx)`` (the subclass's ``_compress``).
+
+        A check that fails here (a fused bucket's frames, read during the backward pass) is raised at
+        the step's first ``decompress``, not here: raised in a backward hook, it would stop this rank
+        before it handed Horovod the step's other gradients, and the ranks waiting for them would end
+        at the shutdown without learning why. Until then Horovod gets a token that fails every other
+        rank's key check, so each of them raises the error too, naming the fix."""
+        try:
             out = self._compress(tensor)
+        except ValueError as error:
+            sent = None if mpi_ops.size() == 1 else self._failed_payload(tensor)
+            if sent is None:                   # alone, or a transport whose payload no token stands in for
+                with ends_job_on_mismatch():
+                    raise
+            if self._step.failure is None:
+                report_mismatch(error)
+                self._step.failure = error
+            return sent, FailedCompress(tuple(tensor.shape))
         self._after_compress()
         return out
+
+    def _failed_payload(self, tensor):
+        """What Horovod allreduces for ``tensor`` after its ``compress`` failed: what every rank sends for
+        that parameter, the tensor itself where it goes dense, else the token that fails the key check
+        (``OpToken.failed``); None to raise at once (the subclass's payload is not a token)."""
+        return OpToken(self.process_set).failed(tensor)
 
     @ClassOrInstance
     def decompress(self, tensor, ctx):
@@ -153,6 +190,10 @@ class CompressorDoor(Compressor):
         its last gradient is decompressed, and only if every gradient was finite on every rank."""
         if ctx is None or (ctx.dense and ctx.key is None):
             return tensor        # Horovod's sparse allreduce (ctx None), or non-floating: not of the step
+        if self._step.failure is not None:     # a compress of this step failed a check (compress)
+            failure, self._step = self._step.failure, PendingStep()
+            time.sleep(REPORT_GRACE_S)
+            raise failure
         # The checks raise only on the ranks that see the mismatch (the token's: only the optimizer's
         # process set); the shutdown ends any rank left waiting for them.
         with ends_job_on_mismatch():

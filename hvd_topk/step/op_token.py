@@ -50,6 +50,12 @@ class OpToken:
         first = 1.0 if self.process_set.rank() == 0 else 0.0
         return torch.tensor([1.0, first, f, f * f], dtype=like.dtype, device=like.device)
 
+    def failed(self, like):
+        """A token whose fingerprint (0) no key has: every rank that reduces it with tokens of real keys
+        fails the key check (a compress that failed hands it to Horovod, ``compressor_door``)."""
+        first = 1.0 if self.process_set.rank() == 0 else 0.0
+        return torch.tensor([1.0, first, 0.0, 0.0], dtype=like.dtype, device=like.device)
+
     def average(self, reduced, key):
         """True if Horovod averaged, False if it summed; raises ValueError on any other reduction, or
         when the ranks compressed this gradient under different keys."""
