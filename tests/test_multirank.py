@@ -29,6 +29,7 @@ def test_ratio_one_reproduces_dense_horovod(results, jobs):
 THREE_RANKS_200_STEPS = job(3, "train.py", "--steps", 200, "--ratio", 0.01, "--width", 128, "--min-numel", 1000)
 
 
+@pytest.mark.slow
 @pytest.mark.jobs(THREE_RANKS_200_STEPS)
 def test_params_bit_identical_after_200_steps_three_ranks(results):
     ranks = results(THREE_RANKS_200_STEPS)
