@@ -43,7 +43,8 @@ from .arguments import STOCK_COMMUNICATIONS, check_hierarchical, check_stock_sel
 from .settings import TopKSettings
 from .step.compressor_door import ClassOrInstance, CompressorDoor
 from .step.compressor_global import GlobalSelection
-from .step.compressor_transports import OWN as OWN_COLLECTIVES, CompressorTransports, load_transports_state, transports_state
+from .step.compressor_transports import OWN as OWN_COLLECTIVES
+from .step.compressor_transports import CompressorTransports, load_transports_state, transports_state
 from .core.sparsify import k_for, sq_norm_finite
 
 __all__ = ["TopKEF", "STOCK_COMMUNICATIONS"]

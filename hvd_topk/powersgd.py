@@ -118,8 +118,8 @@ class PowerSGD(CompressorDoor):
         return self.token.make(key, tensor), _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started)
 
     def _failed_payload(self, tensor):
-        s = self.settings
-        return super()._failed_payload(tensor) if compressed_rank(tuple(tensor.shape), s.rank, s.min_compression_rate) else tensor
+        compressed = compressed_rank(tuple(tensor.shape), self.settings.rank, self.settings.min_compression_rate)
+        return super()._failed_payload(tensor) if compressed else tensor
 
     def _receive(self, reduced, ctx):
         # raises, on every rank, before any value is used; then the step's phases run (first receive)
