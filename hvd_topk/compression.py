@@ -43,8 +43,7 @@ from .arguments import STOCK_COMMUNICATIONS, check_hierarchical, check_stock_sel
 from .settings import TopKSettings
 from .step.compressor_door import ClassOrInstance, CompressorDoor
 from .step.compressor_global import GlobalSelection
-from .step.compressor_transports import OWN as OWN_COLLECTIVES
-from .step.compressor_transports import CompressorTransports, load_transports_state, transports_state
+from .step.compressor_transports import CompressorTransports, load_transports_state, sends_token, transports_state
 from .core.sparsify import k_for, sq_norm_finite
 
 __all__ = ["TopKEF", "STOCK_COMMUNICATIONS"]
@@ -71,8 +70,7 @@ class TopKEF(CompressorDoor):
     Per gradient and rank: ``acc = grad + residual``; the transport sends k = max(1, ceil(ratio *
     numel)) entries of ``acc``; ``residual = acc`` with the entries that left this rank zeroed (with
     16-bit values: with their rounding left). The keys, the NaN rule and the class form are
-    ``hvd_topk.step.compressor_door``'s.
-    Tensors with fewer than ``min_numel`` elements, and non-floating tensors, go unchanged.
+    ``hvd_topk.step.compressor_door``'s. Tensors below ``min_numel`` elements, and non-floating ones, go unchanged.
 
     Making one only checks and keeps its settings (``comp.settings``, a ``TopKSettings``; the class's are
     the defaults): all that ``hvd_topk.DistributedOptimizer`` reads. Horovod's first ``compress`` builds the transports.
@@ -144,9 +142,10 @@ class TopKEF(CompressorDoor):
         buf, started, indices = self.transports.send(key, acc, k, finite, tensor, acc_sq=acc_sq)
         return buf, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started, indices=indices, acc=acc)
 
-    def _failed_payload(self, tensor):
-        token = super()._failed_payload(tensor) if self.settings.communication in OWN_COLLECTIVES else None
-        return tensor if tensor.numel() < self.settings.min_numel else token
+    def _failed_payload(self, tensor):     # what _compress sends: the tensor, a token, or values (None)
+        n = tensor.numel()
+        token = sends_token(self.settings.communication, n, k_for(n, self.settings.ratio))
+        return tensor if n < self.settings.min_numel else super()._failed_payload(tensor) if token else None
 
     def _receive(self, tensor, ctx):
         if ctx.pooled:

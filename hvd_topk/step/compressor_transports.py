@@ -33,9 +33,16 @@ from .fused_plan import FusedPlan
 from ..transports import ARTopk
 from ..transports.build import build_transports
 
-__all__ = ["CompressorTransports", "transports_state", "load_transports_state"]
+__all__ = ["CompressorTransports", "sends_token", "transports_state", "load_transports_state"]
 
 OWN = ("split_reduce", "allgather", "hierarchical")     # the transports that start their own collectives
+
+
+def sends_token(communication, numel, k):
+    """Whether ``CompressorTransports.send`` hands Horovod the ``op_token`` for a tensor of ``numel``
+    entries, ``k`` kept: its transport runs its own collectives (``OWN``) and keeps fewer than all.
+    Else the tensor's values go in Horovod's allreduce."""
+    return communication in OWN and k < numel
 
 
 class CompressorTransports:
@@ -106,7 +113,7 @@ class CompressorTransports:
         return buf, started, indices
 
     def _send(self, key, acc, k, finite, grad):
-        if self.communication in self.own and k < acc.numel():
+        if sends_token(self.communication, acc.numel(), k):
             started = self.own[self.communication].start(key, acc, k, finite)
             self.sent_numels[key] = acc.numel()
             return self.token.make(key, grad), started, None
