@@ -10,31 +10,29 @@ TIME_PARTS = ("select", "pack", "unpack")       # our own work, timed where it r
 class StepStats:
     """Counts one step as it happens; ``last()`` gives the finished step's figures.
 
-    bytes_sent: payload this rank hands to the collectives (values, flags, indices, frames and message
-    headers; the collective's own fan-out excluded: the link counters of the benchmarks, ``testbed/wire.py``,
-    measure those).
+    bytes_sent: payload this rank hands to the collectives (values, flags, indices, frames and message headers;
+    the collective's own fan-out excluded: the link counters of the benchmarks, ``testbed/wire.py``, measure those).
     compression_gain: ||sent||^2 / ||acc||^2 over the compressed tensors (GraVAC's gain).
-    split_kept, split_imbalance (split_reduce only): rows the owners kept, over all its tensors, and how
-    many rows the busiest owner of each tensor kept, summed, over the mean per owner (1.0: balanced
-    regions; P: one owner kept everything).
+    split_kept, split_imbalance (split_reduce only): rows the owners kept, over all its tensors, and how many
+    rows the busiest owner of each tensor kept, summed, over the mean per owner (1.0: balanced regions; P: one
+    owner kept everything).
 
-    Where the step's time went (seconds, docs/optimizer.md "Where a step's time goes"): ``time_step_s``
-    from the end of the last step's synchronization to the end of this one's, split into
-    ``time_select_s`` (accumulate + select), ``time_pack_s`` (coding the messages), ``time_sync_s``
-    (synchronize: waiting for and unpacking the aggregates; TopKEF: from its step's first decompress to
-    its last), ``time_optimizer_s`` (the wrapped optimizer's step, inside this window: the last step's;
-    TopKEF cannot see it) and ``time_compute_s``, the rest: forward and backward not overlapped with
-    our work. Of ``time_sync_s``: ``time_wait_s`` blocked on the fused transports' collectives (also per
-    phase, ``time_wait_<phase>_s``, with ``collectives_<phase>`` started) and ``time_unpack_s``.
-    ``comm_hidden``: the share of the fused buckets' time in flight not spent blocked on them, i.e.
-    hidden behind compute (a bucket counts as in flight until its outcome is read, at a poll or a wait).
+    Where the step's time went (seconds, docs/optimizer.md "Where a step's time goes"): ``time_step_s`` from the end
+    of the last step's synchronization to the end of this one's, split into ``time_select_s`` (accumulate + select),
+    ``time_pack_s`` (coding the messages), ``time_sync_s`` (synchronize: waiting for and unpacking the aggregates;
+    TopKEF: from its step's first decompress to its last, less the selecting and packing done there),
+    ``time_optimizer_s`` (the wrapped optimizer's step, inside this window: the last step's; TopKEF cannot see it)
+    and ``time_compute_s``, the rest: forward and backward not overlapped with our work. Of ``time_sync_s``:
+    ``time_wait_s`` blocked on the fused transports' collectives (also per phase, ``time_wait_<phase>_s``, with
+    ``collectives_<phase>`` started) and ``time_unpack_s``. ``comm_hidden``: the share of the fused buckets' time in
+    flight not spent blocked on them, i.e. hidden behind compute (a bucket counts as in flight until its outcome is
+    read, at a poll or a wait).
     """
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
         self._reset()
-        self._last = {}
-        self._mark = None                 # clock() at the end of the last step
+        self._last, self._mark = {}, None     # the last step's figures; clock() at its end
 
     def _reset(self):
         self.bytes_sent = 0
@@ -47,6 +45,7 @@ class StepStats:
         self.times = dict.fromkeys(TIME_PARTS + ("optimizer", "wait"), 0.0)
         self.waits, self.collectives, self.flights = {}, {}, []
         self.sync_start = None            # clock() where TopKEF's step began to decompress
+        self.in_sync = 0.0                # select + pack seconds inside TopKEF's sync window: not sync too
 
     def add_sent(self, nbytes, sent_sq, acc_sq, select_s=0.0, dense=False):
         """Record one tensor's contribution to this step."""
@@ -71,7 +70,7 @@ class StepStats:
         """Times the block as accumulate + select: its seconds less those it spent packing."""
         t0, packed = time.perf_counter(), self.times["pack"]
         yield
-        self.times["select"] += time.perf_counter() - t0 - (self.times["pack"] - packed)
+        self.add_time("select", time.perf_counter() - t0 - (self.times["pack"] - packed))
 
     def syncing(self):
         """TopKEF: its step begins to wait for and read aggregates (the first call of a step counts)."""
@@ -84,6 +83,7 @@ class StepStats:
     def add_time(self, part, seconds):
         """Seconds of our own work: 'select', 'pack', 'unpack' or 'optimizer'."""
         self.times[part] += seconds
+        self.in_sync += seconds if part in ("select", "pack") and self.sync_start is not None else 0.0
 
     def add_collective(self, phase):
         """A fused transport started one collective of ``phase``."""
@@ -104,7 +104,8 @@ class StepStats:
         comm_s = (0.0 if self.sync_start is None else now - self.sync_start) if comm_s is None else comm_s
         t = self.times
         step_s = 0.0 if self._mark is None else now - self._mark
-        ours = t["select"] + t["pack"] + comm_s + t["optimizer"]
+        sync_s = comm_s - self.in_sync            # the parts below are disjoint, so they add up to the step
+        ours = t["select"] + t["pack"] + sync_s + t["optimizer"]
         self._mark = now
         self._last = {"bytes_sent": self.bytes_sent, "density": density,
                       "compression_gain": self.sent_sq / self.acc_sq if self.acc_sq > 0 else 1.0,
@@ -112,7 +113,7 @@ class StepStats:
                       "dense_tensors": self.dense_tensors, "sparse_tensors": self.sparse_tensors,
                       "skipped": self.skipped, "time_step_s": step_s,
                       "time_compute_s": max(0.0, step_s - ours),
-                      "time_sync_s": comm_s, "time_wait_s": t["wait"],
+                      "time_sync_s": sync_s, "time_wait_s": t["wait"],
                       **{f"time_{part}_s": t[part] for part in TIME_PARTS + ("optimizer",)},
                       **{f"time_wait_{phase}_s": s for phase, s in sorted(self.waits.items())},
                       **{f"collectives_{phase}": n for phase, n in sorted(self.collectives.items())}}
