@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 from typing import NamedTuple, Optional
 
 import pytest
@@ -225,6 +226,7 @@ class SharedJobs:
         self.plan = plan
         self.tmp = tmp_path_factory
         self.runs = {}              # (scope, job) -> JobRun
+        self.launches = []          # (seconds, ranks, jobs, first worker, scope): what the suite spent where
 
     def run(self, nodeid, j):
         """The ``JobRun`` of job ``j``, declared by the test ``nodeid``; runs its group if needed."""
@@ -248,8 +250,11 @@ class SharedJobs:
         first = todo[0]
         launch = dict(backend=first.backend, cwd=ROOT,
                       env={k: str(folders[first] / v.name) if isinstance(v, Out) else v for k, v in first.env})
+        started = time.monotonic()
         with _namespace(first.netns) as prefix:
             outcomes = run_entries(first.np, entries, timeout_each=[j.timeout for j in todo], prefix=prefix, **launch)
+        self.launches.append((time.monotonic() - started, first.np, len(todo), first.worker,
+                              os.path.relpath(scope, ROOT)))
         for j, outcome in zip(todo, outcomes):
             self.runs[scope, j] = JobRun(folders[j], *outcome)
 
@@ -314,7 +319,25 @@ class JobResults:
 
 @pytest.fixture(scope="session")
 def _shared_jobs(request, tmp_path_factory):
-    return SharedJobs(request.config.stash[_PLAN], tmp_path_factory)
+    shared = SharedJobs(request.config.stash[_PLAN], tmp_path_factory)
+    request.config.stash[_LAUNCHES] = shared.launches
+    return shared
+
+
+_LAUNCHES = pytest.StashKey()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The slowest shared launches. ``--durations`` charges a launch to the first test that reads one of
+    its jobs, so it alone does not say where the suite's minutes go."""
+    launches = sorted(config.stash.get(_LAUNCHES, []), reverse=True)
+    if not launches:
+        return
+    terminalreporter.section("slowest shared launches")
+    total = sum(seconds for seconds, *_ in launches)
+    terminalreporter.write_line(f"{len(launches)} launches, {total:.0f} s in all")
+    for seconds, ranks, jobs, worker, scope in launches[:10]:
+        terminalreporter.write_line(f"{seconds:7.1f}s  {ranks} ranks, {jobs} jobs, first {worker} ({scope})")
 
 
 @pytest.fixture
