@@ -214,6 +214,7 @@ class _Plan:
         self.groups = {}            # Job.group(scope) -> its jobs, in the order they must run
         self.scopes = {}            # (test's node id, job) -> the scope its launches are shared in
         self.folders = {}           # scope -> the test folder (its workers/ folder holds the workers)
+        self.launches = []          # (seconds, ranks, jobs, first worker, scope): what the suite spent where
 
 
 _PLAN = pytest.StashKey()
@@ -226,7 +227,6 @@ class SharedJobs:
         self.plan = plan
         self.tmp = tmp_path_factory
         self.runs = {}              # (scope, job) -> JobRun
-        self.launches = []          # (seconds, ranks, jobs, first worker, scope): what the suite spent where
 
     def run(self, nodeid, j):
         """The ``JobRun`` of job ``j``, declared by the test ``nodeid``; runs its group if needed."""
@@ -253,7 +253,7 @@ class SharedJobs:
         started = time.monotonic()
         with _namespace(first.netns) as prefix:
             outcomes = run_entries(first.np, entries, timeout_each=[j.timeout for j in todo], prefix=prefix, **launch)
-        self.launches.append((time.monotonic() - started, first.np, len(todo), first.worker,
+        self.plan.launches.append((time.monotonic() - started, first.np, len(todo), first.worker,
                               os.path.relpath(scope, ROOT)))
         for j, outcome in zip(todo, outcomes):
             self.runs[scope, j] = JobRun(folders[j], *outcome)
@@ -319,18 +319,14 @@ class JobResults:
 
 @pytest.fixture(scope="session")
 def _shared_jobs(request, tmp_path_factory):
-    shared = SharedJobs(request.config.stash[_PLAN], tmp_path_factory)
-    request.config.stash[_LAUNCHES] = shared.launches
-    return shared
-
-
-_LAUNCHES = pytest.StashKey()
+    return SharedJobs(request.config.stash[_PLAN], tmp_path_factory)
 
 
 def pytest_terminal_summary(terminalreporter, config):
     """The slowest shared launches. ``--durations`` charges a launch to the first test that reads one of
     its jobs, so it alone does not say where the suite's minutes go."""
-    launches = sorted(config.stash.get(_LAUNCHES, []), reverse=True)
+    plan = config.stash.get(_PLAN, None)
+    launches = sorted(plan.launches if plan else [], reverse=True)
     if not launches:
         return
     terminalreporter.section("slowest shared launches")
