@@ -215,6 +215,7 @@ class _Plan:
         self.scopes = {}            # (test's node id, job) -> the scope its launches are shared in
         self.folders = {}           # scope -> the test folder (its workers/ folder holds the workers)
         self.launches = []          # (seconds, ranks, jobs, first worker, scope): what the suite spent where
+        self.jobs = []              # (seconds, ranks, worker, arguments): which runs inside the launches
 
 
 _PLAN = pytest.StashKey()
@@ -256,7 +257,9 @@ class SharedJobs:
         self.plan.launches.append((time.monotonic() - started, first.np, len(todo), first.worker,
                               os.path.relpath(scope, ROOT)))
         for j, outcome in zip(todo, outcomes):
-            self.runs[scope, j] = JobRun(folders[j], *outcome)
+            self.runs[scope, j] = run = JobRun(folders[j], *outcome)
+            if run.seconds is not None:
+                self.plan.jobs.append((run.seconds, j.np, j.worker, " ".join(map(str, j.args))))
 
     def _argv(self, scope, j, folders):
         """The worker's command line: its script, ``--out`` for workers/, its arguments with paths."""
@@ -323,8 +326,8 @@ def _shared_jobs(request, tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """The slowest shared launches. ``--durations`` charges a launch to the first test that reads one of
-    its jobs, so it alone does not say where the suite's minutes go."""
+    """The slowest shared launches, and the slowest jobs inside them. ``--durations`` charges a launch to
+    the first test that reads one of its jobs, so it alone does not say where the suite's minutes go."""
     plan = config.stash.get(_PLAN, None)
     launches = sorted(plan.launches if plan else [], reverse=True)
     if not launches:
@@ -334,6 +337,9 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(f"{len(launches)} launches, {total:.0f} s in all")
     for seconds, ranks, jobs, worker, scope in launches[:10]:
         terminalreporter.write_line(f"{seconds:7.1f}s  {ranks} ranks, {jobs} jobs, first {worker} ({scope})")
+    terminalreporter.write_line("slowest jobs inside them:")
+    for seconds, ranks, worker, args in sorted(plan.jobs, reverse=True)[:10]:
+        terminalreporter.write_line(f"{seconds:7.1f}s  {ranks} ranks, {worker} {args[:90]}")
 
 
 @pytest.fixture
