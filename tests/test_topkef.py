@@ -50,6 +50,22 @@ def test_bad_min_numel_names_argument_and_range(bad):
         TopKEF(min_numel=bad)
 
 
+@pytest.mark.parametrize("text", ["soon", "2", "601", "nan"])
+def test_bad_shutdown_grace_names_the_variable_and_range(monkeypatch, text):
+    from hvd_topk.step import compressor_door
+    monkeypatch.setenv("HVD_TOPK_SHUTDOWN_GRACE_S", text)
+    with pytest.raises(ValueError, match=r"HVD_TOPK_SHUTDOWN_GRACE_S='.*': seconds in \[3, 600\] expected"):
+        compressor_door._shutdown_grace_s()
+
+
+def test_shutdown_grace_is_read_from_the_environment(monkeypatch):
+    from hvd_topk.step import compressor_door
+    monkeypatch.setenv("HVD_TOPK_SHUTDOWN_GRACE_S", "7.5")
+    assert compressor_door._shutdown_grace_s() == 7.5
+    monkeypatch.delenv("HVD_TOPK_SHUTDOWN_GRACE_S")
+    assert compressor_door._shutdown_grace_s() == 15.0
+
+
 def test_k_for_rounds_up_and_keeps_at_least_one():
     assert k_for(1000, 0.01) == 10
     assert k_for(1001, 0.01) == 11

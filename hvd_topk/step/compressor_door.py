@@ -17,6 +17,7 @@ the transports it drives are ``hvd_topk.transports``' (the optimizer's), behind 
 run their own collectives.
 """
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -34,8 +35,28 @@ from ..core.sparsify import sq_norm_finite
 __all__ = ["ClassOrInstance", "CompressorDoor", "FailedCompress", "PendingStep", "SHUTDOWN_GRACE_S",
            "ends_job_on_mismatch", "report_mismatch"]
 
-SHUTDOWN_GRACE_S = 15.0       # time the other ranks get to reach the same check and raise it themselves
 REPORT_GRACE_S = 2.0          # time the ranks that failed the same check get to write it before one exits
+
+
+def _shutdown_grace_s(default=15.0, low=3.0, high=600.0):
+    """HVD_TOPK_SHUTDOWN_GRACE_S, read when the doors are first imported, else ``default``. Why a setting: 15 s
+    lets a rank of a loaded job reach the same check and name the cause itself; an idle cluster (or a
+    test suite) can end a failed job sooner, a crowded one later. Below ``low`` the shutdown could
+    overtake REPORT_GRACE_S, and the ranks that failed would end without naming the cause."""
+    text = os.environ.get("HVD_TOPK_SHUTDOWN_GRACE_S")
+    if text is None:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not low <= seconds <= high:
+        raise ValueError(f"HVD_TOPK_SHUTDOWN_GRACE_S={text!r}: seconds in [{low:g}, {high:g}] expected "
+                         f"(unset: {default:g})")
+    return seconds
+
+
+SHUTDOWN_GRACE_S = _shutdown_grace_s()   # time the other ranks get to reach the same check and raise it themselves
 
 
 class ClassOrInstance:
