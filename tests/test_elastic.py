@@ -42,7 +42,9 @@ def run_elastic(tmp_path, hosts, np, args, on_progress=lambda step, size: None):
     cmd = [horovodrun, "-np", str(np), "--min-np", "1", "--max-np", "3", "--host-discovery-script", str(discover),
            "--network-interface", "lo", sys.executable, os.path.join(WORKERS, "elastic_train.py"),
            "--out", str(out), *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # A survivor waiting on the killed worker through another rank learns of it from Gloo's timeout (30 s
+    # unset), not from a reset connection: 10 s here, where every collective takes milliseconds.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HOROVOD_GLOO_TIMEOUT_SECONDS="10")
     log = open(tmp_path / "job.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + JOB_TIMEOUT
