@@ -39,10 +39,11 @@ REPORT_GRACE_S = 2.0          # time the ranks that failed the same check get to
 
 
 def _shutdown_grace_s(default=15.0, low=3.0, high=600.0):
-    """HVD_TOPK_SHUTDOWN_GRACE_S, read when the doors are first imported, else ``default``. Why a setting: 15 s
-    lets a rank of a loaded job reach the same check and name the cause itself; an idle cluster (or a
-    test suite) can end a failed job sooner, a crowded one later. Below ``low`` the shutdown could
-    overtake REPORT_GRACE_S, and the ranks that failed would end without naming the cause."""
+    """HVD_TOPK_SHUTDOWN_GRACE_S, read when the doors are first imported, else ``default``.
+
+    Why a setting: 15 s lets a rank of a loaded job reach the same check and name the cause itself; an
+    idle cluster (or a test suite) can end a failed job sooner, a crowded one later. Below ``low`` the
+    shutdown could overtake REPORT_GRACE_S, and the ranks that failed would end without naming the cause."""
     text = os.environ.get("HVD_TOPK_SHUTDOWN_GRACE_S")
     if text is None:
         return default
@@ -56,7 +57,7 @@ def _shutdown_grace_s(default=15.0, low=3.0, high=600.0):
     return seconds
 
 
-SHUTDOWN_GRACE_S = _shutdown_grace_s()   # time the other ranks get to reach the same check and raise it themselves
+SHUTDOWN_GRACE_S = _shutdown_grace_s()   # time the other ranks get to reach the same check and raise it
 
 
 class ClassOrInstance:
