@@ -190,6 +190,9 @@ AccountingStorageType=accounting_storage/none
 ReturnToService=2
 JobRequeue=1
 KillWait=10
+# A requeued job held until a start time becomes eligible without an event, so only the main
+# scheduling loop starts it: every 60 s unset, and the requeue tests waited 30-35 s for it.
+SchedulerParameters=sched_interval=1
 InactiveLimit=0
 MinJobAge=3600
 # The nodes are declared with the CPUs the tests need, whatever the machine has.
