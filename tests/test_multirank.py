@@ -181,7 +181,8 @@ def outside_set_refused(form, communication):
                timeout=150, fails=True, alone=True if form == "class" else OUTSIDE_SET)
 
 
-# the fast loop keeps one (each waits out the shutdown grace, 5 s in the suite; the class form's is a launch of its own)
+# the fast loop keeps one (each waits out the shutdown grace, 5 s in the suite; the class form's is a
+# launch of its own)
 @pytest.mark.parametrize("refused", [outside_set_refused("positional", "split_reduce"),
                                      pytest.param(outside_set_refused("class", "split_reduce"), marks=pytest.mark.slow),
                                      pytest.param(outside_set_refused("positional", "artopk"), marks=pytest.mark.slow),

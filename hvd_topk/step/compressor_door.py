@@ -31,6 +31,7 @@ from .gradient_keys import ParameterKeys, SlotSequence
 from .op_token import OpToken
 from ..core.memory import ResidualMemory, StepCommits
 from ..core.sparsify import sq_norm_finite
+from ..core.validate import check_number
 
 __all__ = ["ClassOrInstance", "CompressorDoor", "FailedCompress", "PendingStep", "SHUTDOWN_GRACE_S",
            "ends_job_on_mismatch", "report_mismatch"]
@@ -38,23 +39,21 @@ __all__ = ["ClassOrInstance", "CompressorDoor", "FailedCompress", "PendingStep",
 REPORT_GRACE_S = 2.0          # time the ranks that failed the same check get to write it before one exits
 
 
-def _shutdown_grace_s(default=15.0, low=3.0, high=600.0):
+def _shutdown_grace_s(default=15.0):
     """HVD_TOPK_SHUTDOWN_GRACE_S, read when the doors are first imported, else ``default``.
 
     Why a setting: 15 s lets a rank of a loaded job reach the same check and name the cause itself; an
-    idle cluster (or a test suite) can end a failed job sooner, a crowded one later. Below ``low`` the
+    idle cluster (or a test suite) can end a failed job sooner, a crowded one later. Below 3 s the
     shutdown could overtake REPORT_GRACE_S, and the ranks that failed would end without naming the cause."""
     text = os.environ.get("HVD_TOPK_SHUTDOWN_GRACE_S")
     if text is None:
         return default
     try:
-        seconds = float(text)
+        value = float(text)
     except ValueError:
-        seconds = float("nan")
-    if not low <= seconds <= high:
-        raise ValueError(f"HVD_TOPK_SHUTDOWN_GRACE_S={text!r}: seconds in [{low:g}, {high:g}] expected "
-                         f"(unset: {default:g})")
-    return seconds
+        value = text                    # not a number: check_number names it as given
+    return check_number("HVD_TOPK_SHUTDOWN_GRACE_S", value, low=3, high=600,
+                        what=f"(seconds; unset: {default:g})")
 
 
 SHUTDOWN_GRACE_S = _shutdown_grace_s()   # time the other ranks get to reach the same check and raise it
