@@ -11,6 +11,8 @@
 #      built wheel under ~/.cache/hvd_topk/wheels, keyed by Horovod, torch, Python and MPI versions,
 #      so a second run takes seconds.
 #   5. hvd_topk itself, editable.
+#   6. A stamp in the venv: a later run from the same checkout, with this script, setup.py, the pins and
+#      every package unchanged, stops after checking that (about a second).
 # Environment knobs: HVD_TOPK_VENV (venv path), HVD_TOPK_CACHE (wheel cache), PYTHON (interpreter),
 # HVD_TOPK_TORCH_VERSION (torch pin; the Docker image sets a CUDA build),
 # HOROVOD_GPU_OPERATIONS (e.g. NCCL, used by docker/Dockerfile), HVD_TOPK_SKIP_APT=1 (packages present).
@@ -70,6 +72,33 @@ PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check -q)
 pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 
+# A later run: when the stamp says this script, setup.py and the pins were installed from this checkout
+# into this venv, and every package is still there, nothing is reinstalled (the steps below take about
+# 13 s even with nothing to do, at each start of scripts/test.sh). rm "$STAMP" forces them.
+STAMP="$VENV/.hvd_topk-installed"
+mpi_ver=$(mpirun --version 2>/dev/null | awk 'NR==1{print $NF}')
+want=$({ cat "$ROOT/scripts/install.sh" "$ROOT/setup.py"
+         echo "$ROOT torch=$TORCH_VERSION horovod=$HOROVOD_VERSION ompi=$mpi_ver gpu=${HOROVOD_GPU_OPERATIONS:-}"; } |
+       sha256sum | cut -d' ' -f1)
+still_installed() {
+    [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] || return 1
+    "$PY" - "$ROOT" "$TORCH_VERSION" "$HOROVOD_VERSION" <<'PYEOF' 2>/dev/null
+import importlib.metadata as md, importlib.util, os, sys
+root, torch_version, horovod_version = sys.argv[1:]
+for dist in ["numpy", "mpi4py", "pytest", "pytest-timeout", "hypothesis", "scikit-learn", "tqdm", "pyyaml",
+             "matplotlib", "tensorboard", "cloudpickle", "psutil", "packaging", "cffi"]:
+    md.version(dist)                    # raises when it is gone
+assert md.version("torch").split("+")[0] == torch_version and md.version("horovod") == horovod_version
+spec = importlib.util.find_spec("hvd_topk")            # finds, does not import
+assert os.path.realpath(spec.submodule_search_locations[0]) == os.path.realpath(os.path.join(root, "hvd_topk"))
+PYEOF
+}
+if still_installed; then
+    echo "==> ready: $VENV (installed before from this checkout: $STAMP)"
+    exit 0
+fi
+rm -f "$STAMP"
+
 step "Python packages (torch==$TORCH_VERSION, numpy, mpi4py, pytest, ...)" \
      "check network access to PyPI; torch must be exactly $TORCH_VERSION (the local CPU build)"
 "${PIP[@]}" install -U pip setuptools wheel
@@ -80,7 +109,6 @@ step "Python packages (torch==$TORCH_VERSION, numpy, mpi4py, pytest, ...)" \
 
 step "Horovod $HOROVOD_VERSION (PyTorch + Gloo + MPI${HOROVOD_GPU_OPERATIONS:+ + $HOROVOD_GPU_OPERATIONS})" \
      "read the build log above; rm -rf '$CACHE' to force a clean rebuild"
-mpi_ver=$(mpirun --version 2>/dev/null | awk 'NR==1{print $NF}')
 key="horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-py$pyver-ompi$mpi_ver${HOROVOD_GPU_OPERATIONS:+-${HOROVOD_GPU_OPERATIONS,,}}"
 wheeldir="$CACHE/wheels/$key"
 have_hvd() {
@@ -123,4 +151,5 @@ check=$("$VENV/bin/horovodrun" --check-build)
 for fw in "PyTorch" "MPI" "Gloo"; do
     grep -qE "\[X\] $fw" <<<"$check" || { echo "$check"; HINT="Horovod was built without $fw; rm -rf '$wheeldir' and re-run"; false; }
 done
+echo "$want" > "$STAMP"
 echo "==> ready: $VENV (Horovod $HOROVOD_VERSION, torch $TORCH_VERSION, Python $pyver)"
