@@ -157,24 +157,28 @@ def test_compressed_digits_within_one_point_of_dense(tmp_path):
 
 @pytest.mark.slow
 def test_compressed_adam_within_one_point_of_dense(tmp_path):
-    """3 seeds, 20 epochs at the task's 16 a rank (880 steps), Adam at ratio 0.01 on the gradients and on
-    each rank's update, within one point of dense Adam. Not at 64 or 32 a rank as the SGD test above:
-    there Adam on compressed gradients ended 2 points short (0.959 against 0.979, 0.960 against 0.981)."""
+    """3 seeds, 20 epochs at the task's 16 a rank (880 steps), Adam on gradients compressed at ratio 0.01
+    (artopk) within one point of dense Adam. Not at 64 or 32 a rank as the SGD test above: there it
+    ended 2 points short (0.959 against 0.979, 0.960 against 0.981). Adam on each rank's compressed
+    update (``compress='update'``) ended level with dense in every run measured (here the same accuracy
+    on all 3 seeds; at 32 and 64 a rank within 0.3 point), so it is left to the LM test below."""
     s = bench_run(tmp_path, "--task", "cnn", "--seeds", "0,1,2", "--steps", "880", "--turn", "20",
                   "--eval-every", "440", "--optimizer", "adam", "--lr", "0.001", "--min-numel", "2048", "--arms",
-                  "horovod dense,hvd_topk artopk,hvd_topk[communication=artopk,compress=update]", timeout=2400)
-    dense, gradient, update = (a["final_accuracy"] for a in s["arms"].values())
-    assert dense > 0.95 and gradient >= dense - 0.01 and update >= dense - 0.01, (dense, gradient, update)
+                  "horovod dense,hvd_topk artopk", timeout=2400)
+    dense, gradient = (a["final_accuracy"] for a in s["arms"].values())
+    assert dense > 0.95 and gradient >= dense - 0.01, (dense, gradient)
 
 
 @pytest.mark.slow
-def test_lm_update_without_local_momentum_within_two_percent_of_dense(tmp_path):
-    """The LM at 2 blocks for 400 steps: top-k 0.01 of each rank's AdamW update, allgather, no local
-    momentum: its final test loss within 2% of dense AdamW's."""
-    s = bench_run(tmp_path, "--task", "lm-small", "--steps", "400", "--turn", "20", "--eval-every", "200", "--arms",
+def test_lm_update_without_local_momentum_within_one_percent_of_dense(tmp_path):
+    """The LM at 2 blocks for 200 steps (its cosine schedule ends there): top-k 0.01 of each rank's AdamW
+    update, allgather, no local momentum: its final test loss within 1% of dense AdamW's. Measured:
+    dense 2.153, the recipe 2.141 (-0.6%); the weaker configs fail the bound: local momentum on 2.242
+    (+4.1%), split_reduce 2.180 (+1.3%). (At 400 steps: 2% held the recipe, +0.3%, and kept both out.)"""
+    s = bench_run(tmp_path, "--task", "lm-small", "--steps", "200", "--turn", "20", "--eval-every", "200", "--arms",
                   "horovod dense,hvd_topk[communication=allgather,compress=update,local_momentum=false]", timeout=2400)
     base, ours = (a["final_loss"] for a in s["arms"].values())
-    assert base < 1.9 and ours <= 1.02 * base, (base, ours)
+    assert base < 2.25 and ours <= 1.01 * base, (base, ours)
 
 
 @pytest.mark.slow
