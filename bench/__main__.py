@@ -73,7 +73,7 @@ def parser():
     r.add_argument("--eval-every", type=int, default=10, help="evaluate after every N-th step of an arm")
     r.add_argument("--targets", type=numbers(float), default=[],
                    help="fixed targets: accuracies (reached at or above) or losses (at or below)")
-    r.add_argument("--seeds", type=numbers(int), default=[0], help="one job per seed")
+    r.add_argument("--seeds", type=numbers(int), default=[0], help="each in turn, in one job")
     r.add_argument("--batch-size", type=int, default=None, help="per rank (default: the task's, 16)")
     r.add_argument("--ratio", type=float, default=0.01, help="Top-K ratio of the topkef and hvd_topk arms")
     r.add_argument("--min-numel", type=int, default=None, help="TopKEF's min_numel (default: its own, 1024)")
@@ -83,7 +83,7 @@ def parser():
     r.add_argument("--cycle-ms", type=float, default=None, help="HOROVOD_CYCLE_TIME (default: Horovod's, 1 ms)")
     r.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment of the ranks")
     r.add_argument("--gloo-timeout", type=int, default=300, help="seconds before a stuck Gloo collective raises")
-    r.add_argument("--timeout", type=int, default=3600, help="seconds per job")
+    r.add_argument("--timeout", type=int, default=3600, help="seconds per seed")
     r.add_argument("--master-port", type=int, default=29517, help="torch.distributed's store (DDP arms)")
     r.add_argument("--out", default=None, help="results folder (default bench/results/run_<task>_<link>)")
     r.add_argument("--title", default=None, help="headline.json's title (default: made from the setup)")

@@ -290,10 +290,11 @@ def auto_vs_fixed(arms, link):
 
 
 def setup_of(records, metric):
-    """What the run was, from its first record, and what every seed adds (seeds, job seconds)."""
+    """What the run was, from its first record, and what every seed adds (seeds, their seconds in the
+    job; records made before the seeds shared a job hold each one's whole job's, ``job_s``)."""
     r = records[0]
     keys = ("task", "ranks", "hosts", "link", "iface", "cycle_ms", "launcher", "steps", "warmup", "turn",
             "eval_every", "batch_size", "ratio", "min_numel", "non_iid", "recipe", "steps_per_epoch", "rounds",
             "torch", "horovod", "env")
     return {**{k: r.get(k) for k in keys}, "metric": metric, "seeds": [rec["seed"] for rec in records],
-            "job_s": [rec.get("job_s") for rec in records]}
+            "seed_s": [rec.get("seed_s", rec.get("job_s")) for rec in records]}

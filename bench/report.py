@@ -119,8 +119,8 @@ def table(summary, records):
         L.append(f"- {name}: " + ", ".join(f"{c[0]}: {c[3] if metric == 'loss' else c[2]:.3f}" for c in arm["curve"]))
     load = summary.get("load_avg") or []
     if load:
-        L += ["", f"Load average (1 min) during the jobs: {min(load):.1f}-{max(load):.1f} ({len(load)} samples); "
-              f"jobs {', '.join(f'{j:.0f}' for j in s['job_s'] if j)} s."]
+        L += ["", f"Load average (1 min) during the job: {min(load):.1f}-{max(load):.1f} ({len(load)} samples); "
+              f"seeds {', '.join(f'{j:.0f}' for j in s['seed_s'] if j)} s."]
     return "\n".join(L) + "\n"
 
 

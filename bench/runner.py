@@ -1,4 +1,5 @@
-"""The runner: the chosen arms trained side by side in ONE job, and the driver that launches it.
+"""The runner: the chosen arms trained side by side in ONE job (each seed in turn), and the driver
+that launches it.
 
 In every rank (``python -m bench.runner SPEC.json``, started by ``drive``): every arm gets its own copy
 of the task's model (same seed, so the same weights) and sees the same batches. First each arm runs
@@ -139,7 +140,8 @@ def train(arms, task, spec, group, rank, local_rank, size):
 
 
 def main(spec_path):
-    """One rank of the job ``spec_path`` describes; rank 0 writes the record to its ``json_out``."""
+    """One rank of the job ``spec_path`` describes: each of its seeds in turn, in one ``hvd.init()``;
+    rank 0 writes the records, one per seed, to its ``json_out``."""
     with open(spec_path) as f:
         spec = json.load(f)
     rank, size, local_rank = launcher_env()
@@ -153,6 +155,20 @@ def main(spec_path):
                                 world_size=size, timeout=datetime.timedelta(seconds=spec["gloo_timeout"]))
     group = Group("ddp" in kinds)
     torch.set_num_threads(1)
+    records = [run_seed(dict(spec, seed=seed), group, rank, local_rank, size) for seed in spec["seeds"]]
+    if rank == 0:
+        with open(spec["json_out"], "w") as f:
+            json.dump(records, f)
+    if "ddp" in kinds:
+        dist.destroy_process_group()
+    if "horovod" in kinds:
+        hvd.shutdown()
+
+
+def run_seed(spec, group, rank, local_rank, size):
+    """Every arm of ``spec`` trained from ``spec["seed"]``; returns the seed's record (rank 0's is
+    the one kept), with ``seed_s``: its seconds in the job."""
+    t0 = time.perf_counter()
     task = Task(spec["task"], rank, size, seed=spec["seed"], batch_size=spec["batch_size"], steps=spec["steps"],
                 non_iid=spec["non_iid"], optimizer=spec["optimizer"], lr=spec["lr"])
     arms = []
@@ -160,8 +176,9 @@ def main(spec_path):
         torch.manual_seed(spec["seed"])              # every arm's copy starts from the same weights
         arms.append(build_arm(name, i, task, spec["ratio"], spec["min_numel"]))
     rounds = train(arms, task, spec, group, rank, local_rank, size)
-    record = {**spec, "ranks": size, "rounds": rounds, "torch": torch.__version__, "horovod": horovod.__version__,
-              "batch_size": task.batch_size, "steps_per_epoch": task.steps_per_epoch, "recipe": task.recipe, "arms": {}}
+    record = {**{k: v for k, v in spec.items() if k != "seeds"}, "ranks": size, "rounds": rounds,
+              "torch": torch.__version__, "horovod": horovod.__version__, "batch_size": task.batch_size,
+              "steps_per_epoch": task.steps_per_epoch, "recipe": task.recipe, "arms": {}}
     for arm in arms:
         stats = {k: [s.get(k) for s in arm.stats] for k in dict.fromkeys(k for s in arm.stats for k in s)}
         record["arms"][arm.name] = {
@@ -171,13 +188,8 @@ def main(spec_path):
             "tensors": [[n, p.numel(), p.dim()] for n, p in arm.model.named_parameters()],
             "auto": arm.opt.auto_state() if hasattr(arm.opt, "auto_state") else None,
             "powersgd_compression_rate": arm.powersgd_state.compression_stats()[0] if arm.powersgd_state else None}
-    if rank == 0:
-        with open(spec["json_out"], "w") as f:
-            json.dump(record, f)
-    if "ddp" in kinds:
-        dist.destroy_process_group()
-    if "horovod" in kinds:
-        hvd.shutdown()
+    record["seed_s"] = round(time.perf_counter() - t0, 1)
+    return record
 
 
 # -- the driver ---------------------------------------------------------------------------------------
@@ -192,24 +204,21 @@ def job_env(cycle_ms, gloo_timeout, extra=()):
 
 
 def drive(spec, seeds, placement, env, timeout, launcher="gloo", out=None):
-    """One job per seed on ``placement``; returns the records, in the order of ``seeds``. ``spec``:
-    what ``main`` reads, less the seed and the file names, which this fills in."""
+    """One job on ``placement`` that trains every seed in turn (one launch: on a small machine a launch
+    costs seconds); returns the records, in the order of ``seeds``. ``spec``: what ``main`` reads, less
+    the seeds and the file names, which this fills in. ``timeout``: seconds per seed."""
     if spec["warmup"] <= START_POWERSGD_ITER and any("powersgd" in a for a in spec["arms"]):
         raise ValueError(f"warmup must be more than {START_POWERSGD_ITER} (PowerSGD's dense steps), got {spec['warmup']}")
-    records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in seeds:
-            job = dict(spec, seed=seed, json_out=os.path.join(tmp, f"seed{seed}.json"), iface=placement.iface,
-                       master_addr=placement.master_addr)
-            path = os.path.join(tmp, f"spec{seed}.json")
-            with open(path, "w") as f:
-                json.dump(job, f)
-            t0 = time.perf_counter()
-            run_ranks(placement, [sys.executable, "-m", "bench.runner", path], env, timeout, launcher,
-                      failed_log=os.path.join(out, "job_failed.log") if out else None)
-            with open(job["json_out"]) as f:
-                records.append(dict(json.load(f), job_s=round(time.perf_counter() - t0, 1)))
-    return records
+        job = dict(spec, seeds=list(seeds), json_out=os.path.join(tmp, "records.json"), iface=placement.iface,
+                   master_addr=placement.master_addr)
+        path = os.path.join(tmp, "spec.json")
+        with open(path, "w") as f:
+            json.dump(job, f)
+        run_ranks(placement, [sys.executable, "-m", "bench.runner", path], env, timeout * len(seeds), launcher,
+                  failed_log=os.path.join(out, "job_failed.log") if out else None)
+        with open(job["json_out"]) as f:
+            return json.load(f)
 
 
 if __name__ == "__main__":

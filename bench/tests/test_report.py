@@ -31,7 +31,7 @@ def test_table_rows(folder):
     assert "| topkef | 600.0 (500.0-700.0) | 4,100 | 4,000 | 6.83x, 0.0041x | 0.9480 | 10.5 s (20) | 21.0 s (40) | yes |" \
         in text
     assert "| ddp powersgd r4 |" in text and "reached by 1/2 seeds" in text
-    assert "- horovod dense - 1 pt: topkef" in text and "Load average (1 min) during the jobs: 1.5-2.5" in text
+    assert "- horovod dense - 1 pt: topkef" in text and "Load average (1 min) during the job: 1.5-2.5" in text
 
 
 def test_headline_is_what_the_results_page_reads(folder):
