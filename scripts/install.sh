@@ -76,17 +76,19 @@ pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]
 # into this venv, and every package is still there, nothing is reinstalled (the steps below take about
 # 13 s even with nothing to do, at each start of scripts/test.sh). rm "$STAMP" forces them.
 STAMP="$VENV/.hvd_topk-installed"
+# The Python packages besides torch (Horovod's runtime deps among them): installed below, checked here.
+PY_PACKAGES=(numpy mpi4py pytest pytest-timeout hypothesis scikit-learn tqdm pyyaml matplotlib tensorboard
+             cloudpickle psutil packaging cffi)
 mpi_ver=$(mpirun --version 2>/dev/null | awk 'NR==1{print $NF}')
 want=$({ cat "$ROOT/scripts/install.sh" "$ROOT/setup.py"
          echo "$ROOT torch=$TORCH_VERSION horovod=$HOROVOD_VERSION ompi=$mpi_ver gpu=${HOROVOD_GPU_OPERATIONS:-}"; } |
        sha256sum | cut -d' ' -f1)
 still_installed() {
     [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] || return 1
-    "$PY" - "$ROOT" "$TORCH_VERSION" "$HOROVOD_VERSION" <<'PYEOF' 2>/dev/null
+    "$PY" - "$ROOT" "$TORCH_VERSION" "$HOROVOD_VERSION" "${PY_PACKAGES[@]}" <<'PYEOF' 2>/dev/null
 import importlib.metadata as md, importlib.util, os, sys
-root, torch_version, horovod_version = sys.argv[1:]
-for dist in ["numpy", "mpi4py", "pytest", "pytest-timeout", "hypothesis", "scikit-learn", "tqdm", "pyyaml",
-             "matplotlib", "tensorboard", "cloudpickle", "psutil", "packaging", "cffi"]:
+root, torch_version, horovod_version, *packages = sys.argv[1:]
+for dist in packages:
     md.version(dist)                    # raises when it is gone
 assert md.version("torch").split("+")[0] == torch_version and md.version("horovod") == horovod_version
 spec = importlib.util.find_spec("hvd_topk")            # finds, does not import
@@ -104,8 +106,7 @@ step "Python packages (torch==$TORCH_VERSION, numpy, mpi4py, pytest, ...)" \
 "${PIP[@]}" install -U pip setuptools wheel
 "${PIP[@]}" install "torch==$TORCH_VERSION"
 # Horovod's runtime deps are installed here so that the wheel install below needs no resolution.
-"${PIP[@]}" install "torch==$TORCH_VERSION" numpy mpi4py pytest pytest-timeout hypothesis \
-    scikit-learn tqdm pyyaml matplotlib tensorboard cloudpickle psutil packaging cffi
+"${PIP[@]}" install "torch==$TORCH_VERSION" "${PY_PACKAGES[@]}"
 
 step "Horovod $HOROVOD_VERSION (PyTorch + Gloo + MPI${HOROVOD_GPU_OPERATIONS:+ + $HOROVOD_GPU_OPERATIONS})" \
      "read the build log above; rm -rf '$CACHE' to force a clean rebuild"
