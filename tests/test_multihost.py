@@ -207,6 +207,7 @@ def test_rank_sigkilled_on_the_second_host_ends_the_job_everywhere(hosts, tmp_pa
             run_job(NP, argv, backend=backend, timeout=JOB_TIMEOUT, prefix=hosts.hosts[0].prefix, cwd=ROOT,
                     hosts=hosts.host_list(SLOTS), interface=IFACE)
         returned = time.time()
+        assert (out / "killed_at").exists(), f"rank 3 never reached its kill step:\n{failed.value}"
         killed = float((out / "killed_at").read_text())
         pids = [int((out / f"pid{r}").read_text()) for r in range(NP)]
         # One machine: the test sees every host's processes (one pid namespace), as a cluster's
