@@ -1,12 +1,13 @@
 """Fused buckets against per-tensor sends, through both front doors (tests/test_fused.py).
 
-One small MLP trained 8 steps per run, fresh each time, on gradients that become ready in different
-orders on different ranks (odd ranks: one backward pass per parameter, last layer first... reversed) and
-with a layer that rank 0 never uses (Horovod submits its zero gradient at ``synchronize()``). Each of
-hvd_topk.DistributedOptimizer and stock Horovod with TopKEF, each of split_reduce and allgather, runs
-with exact values ('fp32') three times: every tensor alone (``bucket_cap_mb`` of one element), in
-several buckets, and in one bucket for the whole step; then once with the default 16-bit values, and
-once with ``selection='global'`` (exact values: one top-k over the step's tensors, both doors alike).
+One small MLP trained ``--steps`` steps per run (8 unless told), fresh each time, on gradients that
+become ready in different orders on different ranks (odd ranks: one backward pass per parameter, last
+layer first... reversed) and with a layer that rank 0 never uses (Horovod submits its zero gradient at
+``synchronize()``). Each of hvd_topk.DistributedOptimizer and stock Horovod with TopKEF, each of
+split_reduce and allgather, runs with exact values ('fp32') three times: every tensor alone
+(``bucket_cap_mb`` of one element), in several buckets, and in one bucket for the whole step; then once
+with the default 16-bit values, and once with ``selection='global'`` (exact values: one top-k over the
+step's tensors, both doors alike).
 Writes ``<out>/rank<r>.pt``: per run the final parameters and the last step's stats.
 """
 import argparse
