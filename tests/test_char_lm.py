@@ -136,11 +136,12 @@ TWO_RANK_FLAGS = [["--compression", "topkef"],
 
 
 @pytest.mark.parametrize("flags,lm_job", [
-    (flags, job(2, "examples/char_lm.py", "--quiet", "--max-steps", 20, "--eval-every", 10, "--batch-size", 8,
+    (flags, job(2, "examples/char_lm.py", "--quiet", "--max-steps", 10, "--eval-every", 5, "--batch-size", 8,
                 "--eval-windows", 32, "--json-out", Out("result.json"), *flags)) for flags in TWO_RANK_FLAGS],
     ids=["topkef", "hvd_topk-non-iid", "update"])
 def test_two_rank_job(results, flags, lm_job):
-    """The three 2-rank jobs share a launch."""
+    """The three 2-rank jobs share a launch. Ten steps bring the test loss to 4.75-4.92 (measured), well
+    under the bound, ln 256 - 0.25 = 5.29; 20 steps cost 3 s more each."""
     r = json.loads(results.path(lm_job, "result.json").read_text())
     assert r["example"] == "char_lm" and r["compression"] == flags[1] and r["ranks"] == 2
     assert r["dataset"] == char_lm.DEFAULT_CORPUS and r["model"] == "gpt-4x128"
@@ -148,7 +149,7 @@ def test_two_rank_job(results, flags, lm_job):
     assert r["params_identical"] is True
     assert r["compress"] == ("update" if "update" in flags else "gradient" if "hvd_topk" in flags else None)
     assert r["local_momentum"] == ("off" if "off" in flags else "on" if "hvd_topk" in flags else None)
-    assert r["steps"] == 20 and len(r["step_times_s"]) == 20
-    assert [p["step"] for p in r["curve"]] == [10, 20]
+    assert r["steps"] == 10 and len(r["step_times_s"]) == 10
+    assert [p["step"] for p in r["curve"]] == [5, 10]
     assert math.isfinite(r["test_loss"]) and r["test_loss"] < math.log(256) - 0.25
     assert r["test_loss"] == r["curve"][-1]["test_loss"]
