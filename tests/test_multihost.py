@@ -111,36 +111,14 @@ def test_hosts_in_use_are_not_rebuilt_or_deleted_under_their_user(hosts):
     assert hosts_module._read_state(hosts.state_dir)["rate"] is None
 
 
-# Open MPI starts its daemon on node2 through ssh before any rank runs. On the loaded 2-core machine
-# that runs the suite, an MPI job across the hosts failed before its first step in 2 of 3 full runs one
-# day, once with this message and exit 255 (the other run kept no output), and in none of 8 runs of the
-# same tests alone. Such a launch is made once more; a failure of a rank, or a second failed start,
-# fails the test.
-ORTE_START_FAILED = "ORTE was unable to reliably start one or more daemons"
-
-
-def run_job_across(hosts, out, argv, backend, **kwargs):
-    """``run_job`` of ``argv`` on 2 ranks per host, launched from node1, writing into ``out`` (made
-    here); an mpirun whose daemon never started on node2 is launched again (above)."""
-    for attempt in (1, 2):
-        out.mkdir(parents=True)
-        try:
-            return run_job(NP, argv, backend=backend, prefix=hosts.hosts[0].prefix, cwd=ROOT,
-                           hosts=hosts.host_list(SLOTS), interface=IFACE, **kwargs)
-        except JobFailed as failed:
-            if attempt == 2 or backend != "mpi" or ORTE_START_FAILED not in failed.output:
-                raise
-            print(f"mpirun's daemon on node2 did not start; launching again:\n{failed.output[-1500:]}")
-            hosts.kill_strays()
-            shutil.rmtree(out)
-
-
 def run_across(hosts, out, worker, *args, backend, timeout=JOB_TIMEOUT, env=None):
     """Run a worker on 2 ranks per host, launched from node1; returns (output, eth0 bytes node2 sent)."""
+    out.mkdir(parents=True)
     argv = [sys.executable, os.path.join(WORKERS, worker), "--out", str(out), *map(str, args)]
     sent_before = hosts.hosts[1].eth0_bytes()[0]
     try:
-        output = run_job_across(hosts, out, argv, backend, timeout=timeout, env=env)
+        output = run_job(NP, argv, backend=backend, timeout=timeout, prefix=hosts.hosts[0].prefix, cwd=ROOT,
+                         hosts=hosts.host_list(SLOTS), interface=IFACE, env=env)
     finally:
         hosts.kill_strays()        # the launcher's own kill does not reach ranks started through ssh
     return output, hosts.hosts[1].eth0_bytes()[0] - sent_before
@@ -224,8 +202,10 @@ def test_rank_sigkilled_on_the_second_host_ends_the_job_everywhere(hosts, tmp_pa
     try:
         with pytest.raises(JobFailed) as failed:
             # not run_across: the ranks left on the hosts must be seen ending by themselves first
+            out.mkdir()
             argv = [sys.executable, os.path.join(WORKERS, "faults.py"), "--out", str(out), *map(str, args)]
-            run_job_across(hosts, out, argv, backend, timeout=JOB_TIMEOUT)
+            run_job(NP, argv, backend=backend, timeout=JOB_TIMEOUT, prefix=hosts.hosts[0].prefix, cwd=ROOT,
+                    hosts=hosts.host_list(SLOTS), interface=IFACE)
         returned = time.time()
         assert (out / "killed_at").exists(), f"rank 3 never reached its kill step:\n{failed.value}"
         killed = float((out / "killed_at").read_text())
