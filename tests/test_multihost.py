@@ -227,8 +227,13 @@ def test_rank_sigkilled_on_the_second_host_ends_the_job_everywhere(hosts, tmp_pa
     assert not survivors, f"ranks {survivors} outlived the job"
     assert returned_s <= EXIT_LIMIT_S and gone_s <= EXIT_LIMIT_S
     assert not any((out / f"rank{r}.pt").exists() for r in range(NP)), "a rank finished training"
-    if backend == "gloo":                 # horovodrun names the first rank that exited (ssh's status 255)
-        assert "The first process to do so was:\nProcess name: 3\n" in message, message
+    if backend == "gloo":
+        # horovodrun names the first rank whose exit it saw: rank 3 (ssh reports the killed command as
+        # 255), or a rank on node1 that Gloo aborted (134) on the broken connection before ssh reported
+        # (seen once, in a full suite: rank 0, 0.5 s after the kill)
+        first = re.search(r"The first process to do so was:\nProcess name: (\d+)\nExit code: (\d+)\n", message)
+        assert first and (first.groups() == ("3", "255") or first[1] in ("0", "1") and first[2] == "134"
+                          and "gloo::EnforceNotMet" in message), message
     else:                                 # mpirun names the rank, its host and the signal
         assert "rank 3" in message and "10.77.0.2" in message and "signal 9" in message, message
 
