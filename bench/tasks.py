@@ -22,10 +22,12 @@ the same in every arm, so arms trained side by side see the same data. Non-IID (
 rank gets 2 label shards of the training set (McMahan et al.), or, for the LM, its contiguous slice of
 the text.
 """
+import gzip
 import importlib.util
 import math
 import os
 
+import numpy as np
 import pydoc_data.topics
 import torch
 import torch.nn as nn
@@ -121,11 +123,14 @@ class BagOfWords(nn.Module):
 
 # -- data ---------------------------------------------------------------------------------------------
 def digits():
-    """scikit-learn's 8x8 digits, pixels / 16, the examples' fixed 80/20 split."""
-    from sklearn.datasets import load_digits    # here: scikit-learn takes a second to import, digits only
-
-    d = load_digits()
-    x, y = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0, torch.tensor(d.target)
+    """scikit-learn's 8x8 digits, pixels / 16, the examples' fixed 80/20 split: read with numpy from the
+    digits.csv.gz scikit-learn ships, as examples/data.py reads it (the same bits as ``load_digits``),
+    without importing scikit-learn (~1.7 s of CPU per rank)."""
+    folder = importlib.util.find_spec("sklearn").submodule_search_locations[0]
+    with gzip.open(os.path.join(folder, "datasets", "data", "digits.csv.gz"), "rt") as f:
+        table = np.loadtxt(f, delimiter=",")
+    x = torch.tensor(table[:, :-1].reshape(-1, 1, 8, 8), dtype=torch.float32) / 16.0
+    y = torch.tensor(table[:, -1].astype(np.int64))
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
     test, train = order[:len(y) // 5], order[len(y) // 5:]
     return x[train], y[train], x[test], y[test]

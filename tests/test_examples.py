@@ -121,6 +121,20 @@ def test_digits_split_is_the_published_one():
     assert 0 <= x_train.min() and x_train.max() <= 1
 
 
+def test_digits_are_scikit_learns_to_the_bit_without_importing_it():
+    """Read from the file scikit-learn ships, with numpy alone: the same tensors as from
+    ``sklearn.datasets.load_digits`` (in the same split), and scikit-learn never imported."""
+    code = ("import sys, torch; sys.path.insert(0, 'examples'); import data; "
+            "loaded = data.load_dataset('digits'); assert 'sklearn' not in sys.modules, 'sklearn imported'; "
+            "from sklearn.datasets import load_digits; d = load_digits(); "
+            "x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0; y = torch.tensor(d.target); "
+            "o = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234)); n = len(y) // 5; "
+            "want = (x[o[n:]], y[o[n:]], x[o[:n]], y[o[:n]]); "
+            "assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(loaded, want)), 'differs'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 # -- non-IID sharding ------------------------------------------------------------------------------
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_shards_are_skewed_equal_disjoint_and_deterministic(size):

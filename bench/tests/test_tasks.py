@@ -1,6 +1,8 @@
 """bench/tasks.py: every task's model size, its batches (the same in every arm, each rank its own),
 non-IID shards, the LM's schedule, the embedding task's gradient, evaluation, and bad input."""
 import doctest
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -56,6 +58,17 @@ def test_batches_are_the_same_in_every_arm_and_each_ranks_own():
     x, y = lm.batch(7)
     assert x.shape == (16, tasks.BLOCK) and torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(lm.batch(7)[0], Task("lm-small", 0, 2).batch(7)[0])
+
+
+def test_digits_are_the_examples_to_the_bit():
+    """The harness reads the digits as examples/data.py does (scikit-learn's shipped file, the same
+    split), so a task's runs train on exactly the examples' data."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__)))
+    spec = importlib.util.spec_from_file_location("examples_data", os.path.join(root, "examples", "data.py"))
+    examples_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(examples_data)
+    for ours, theirs in zip(tasks.digits(), examples_data.load_dataset("digits")):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
 
 
 def test_an_epoch_of_a_rank_visits_distinct_samples():
