@@ -250,6 +250,35 @@ def test_stats_and_tensorboard_writer(hvd, tmp_path):
     assert list(tmp_path.glob("events.out.tfevents.*"))
 
 
+def test_stats_of_low_rank_say_what_it_sent(hvd, tmp_path):
+    """PowerSGD through the optimizer: the density is the share of the compressed tensors' elements that P
+    and Q carry, not a top-k ratio (none applies: ``ratio`` None, which the TensorBoard writer skips);
+    where a tensor is pinned to top-k, the density is top-k's and low rank's share has its own key."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from hvd_topk.step.stats import write_tensorboard
+
+    def one_step(**pin):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 10))
+        opt = hvd_topk.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            compression=hvd_topk.PowerSGD(rank=2, named_parameters=model.named_parameters()),
+            settings=hvd_topk.OptimizerSettings(**pin))
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        return opt.stats()
+
+    stats = one_step()
+    share = (2 * (64 + 64) + 2 * (10 + 64)) / (64 * 64 + 10 * 64)      # r(n + m) / nm of both weights
+    assert stats["sparse_tensors"] == 2 and stats["ratio"] is None
+    assert stats["density"] == stats["lowrank_density"] == pytest.approx(share)
+    with SummaryWriter(str(tmp_path)) as writer:
+        write_tensorboard(writer, stats, step=1)
+    mixed = one_step(pin={"1.weight": "artopk"})
+    assert mixed["lowrank_density"] == pytest.approx(2 * (64 + 64) / (64 * 64))
+    assert mixed["density"] == mixed["ratio"] == 0.01
+
+
 def test_state_dict_refuses_other_world_size_and_model(hvd):
     model, opt = make(hvd)
     model(torch.randn(2, 8)).sum().backward()

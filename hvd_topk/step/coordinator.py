@@ -125,7 +125,8 @@ class StepCoordinator:
         if gains and finite:
             self.tuner.observe_acc(acc, key, k_next, g)
         started = self.transports[mode].start(key, acc, k, finite, grad=g, step=self.step, k_next=k_next)
-        self.stats.add_sent(started.nbytes, started.sent_sq, acc_sq)
+        self.stats.add_sent(started.nbytes, started.sent_sq, acc_sq,
+                            lowrank=None if started.values is None else (started.values, acc.numel()))
         return acc, started.finish
 
     def _finish(self, key, pending):

@@ -199,10 +199,10 @@ def _set_epoch(self, epoch):
 
 def _stats(self):
     """Figures of the last synchronized step (``hvd_topk.step.stats.StepStats``), the residual norm, the
-    ratio in use and, with communication='auto', the probed costs and how many tensors use each
-    transport."""
+    ratio in use (None in a step whose compressed tensors all went low rank) and, with communication='auto',
+    the probed costs and how many tensors use each transport."""
     state = self._hvd_topk
-    out = dict(state.stats.last(), residual_norm=state.residuals.norm(), ratio=state.schedule.ratio)
+    out = {"ratio": state.schedule.ratio, **state.stats.last(), "residual_norm": state.residuals.norm()}
     return out if state.tuner is None else dict(out, **state.tuner.figures())
 
 

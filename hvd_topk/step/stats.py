@@ -1,4 +1,28 @@
-"""Per-step figures of both front doors (``opt.stats()``, ``TopKEF.stats()``), and a TensorBoard writer."""
+"""Per-step figures of both front doors (``opt.stats()``, ``TopKEF.stats()``), and a TensorBoard writer.
+
+The figures of a step (``StepStats.last()``):
+
+bytes_sent: payload this rank hands to the collectives (values, flags, indices, frames and message headers;
+the collective's own fan-out excluded: the link counters of the benchmarks, ``testbed/wire.py``, measure those).
+compression_gain: ||sent||^2 / ||acc||^2 over the compressed tensors (GraVAC's gain).
+density: the fraction of each compressed tensor the step sent: top-k's (the caller's, from its schedule), or,
+when every compressed tensor went low rank, theirs (``lowrank_density``), and then ``ratio`` None: no top-k ratio
+applied. lowrank_density (low rank only): the values of P and Q sent over the elements of those tensors.
+split_kept, split_imbalance (split_reduce only): rows the owners kept, over all its tensors, and how many
+rows the busiest owner of each tensor kept, summed, over the mean per owner (1.0: balanced regions; P: one
+owner kept everything).
+
+Where the step's time went (seconds, docs/optimizer.md "Where a step's time goes"): ``time_step_s`` from the end
+of the last step's synchronization to the end of this one's, split into ``time_select_s`` (accumulate + select),
+``time_pack_s`` (coding the messages), ``time_sync_s`` (synchronize: waiting for and unpacking the aggregates;
+TopKEF: from its step's first decompress to its last, less the selecting and packing done there),
+``time_optimizer_s`` (the wrapped optimizer's step, inside this window: the last step's; TopKEF cannot see it)
+and ``time_compute_s``, the rest: forward and backward not overlapped with our work. Of ``time_sync_s``:
+``time_wait_s`` blocked on the fused transports' collectives (also per phase, ``time_wait_<phase>_s``, with
+``collectives_<phase>`` started) and ``time_unpack_s``. ``comm_hidden``: the share of the fused buckets' time in
+flight not spent blocked on them, i.e. hidden behind compute (a bucket counts as in flight until its outcome is
+read, at a poll or a wait).
+"""
 import contextlib
 import time
 
@@ -8,26 +32,7 @@ TIME_PARTS = ("select", "pack", "unpack")       # our own work, timed where it r
 
 
 class StepStats:
-    """Counts one step as it happens; ``last()`` gives the finished step's figures.
-
-    bytes_sent: payload this rank hands to the collectives (values, flags, indices, frames and message headers;
-    the collective's own fan-out excluded: the link counters of the benchmarks, ``testbed/wire.py``, measure those).
-    compression_gain: ||sent||^2 / ||acc||^2 over the compressed tensors (GraVAC's gain).
-    split_kept, split_imbalance (split_reduce only): rows the owners kept, over all its tensors, and how many
-    rows the busiest owner of each tensor kept, summed, over the mean per owner (1.0: balanced regions; P: one
-    owner kept everything).
-
-    Where the step's time went (seconds, docs/optimizer.md "Where a step's time goes"): ``time_step_s`` from the end
-    of the last step's synchronization to the end of this one's, split into ``time_select_s`` (accumulate + select),
-    ``time_pack_s`` (coding the messages), ``time_sync_s`` (synchronize: waiting for and unpacking the aggregates;
-    TopKEF: from its step's first decompress to its last, less the selecting and packing done there),
-    ``time_optimizer_s`` (the wrapped optimizer's step, inside this window: the last step's; TopKEF cannot see it)
-    and ``time_compute_s``, the rest: forward and backward not overlapped with our work. Of ``time_sync_s``:
-    ``time_wait_s`` blocked on the fused transports' collectives (also per phase, ``time_wait_<phase>_s``, with
-    ``collectives_<phase>`` started) and ``time_unpack_s``. ``comm_hidden``: the share of the fused buckets' time in
-    flight not spent blocked on them, i.e. hidden behind compute (a bucket counts as in flight until its outcome is
-    read, at a poll or a wait).
-    """
+    """Counts one step as it happens; ``last()`` gives the finished step's figures (module docstring)."""
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
@@ -40,6 +45,7 @@ class StepStats:
         self.acc_sq = 0.0
         self.dense_tensors = 0
         self.sparse_tensors = 0
+        self.lowrank = [0, 0, 0]          # values sent, elements and count of the tensors that went low rank
         self.skipped = False
         self.split = None                 # [rows kept, busiest owners' rows, ranks] once split_reduce ran
         self.times = dict.fromkeys(TIME_PARTS + ("optimizer", "wait"), 0.0)
@@ -47,8 +53,11 @@ class StepStats:
         self.sync_start = None            # clock() where TopKEF's step began to decompress
         self.in_sync = 0.0                # select + pack seconds inside TopKEF's sync window: not sync too
 
-    def add_sent(self, nbytes, sent_sq, acc_sq, select_s=0.0, dense=False):
-        """Record one tensor's contribution to this step."""
+    def add_sent(self, nbytes, sent_sq, acc_sq, select_s=0.0, dense=False, lowrank=None):
+        """Record one tensor's contribution to this step (``lowrank``: (values sent, elements) of one that
+        went low rank)."""
+        if lowrank is not None:
+            self.lowrank = [self.lowrank[0] + lowrank[0], self.lowrank[1] + lowrank[1], self.lowrank[2] + 1]
         self.bytes_sent += nbytes
         self.sent_sq += sent_sq
         self.acc_sq += acc_sq
@@ -117,6 +126,11 @@ class StepStats:
                       **{f"time_{part}_s": t[part] for part in TIME_PARTS + ("optimizer",)},
                       **{f"time_wait_{phase}_s": s for phase, s in sorted(self.waits.items())},
                       **{f"collectives_{phase}": n for phase, n in sorted(self.collectives.items())}}
+        values, elements, tensors = self.lowrank
+        if elements:
+            self._last["lowrank_density"] = values / elements
+            if tensors == self.sparse_tensors:      # no tensor went top-k: its density and ratio said nothing
+                self._last.update(density=values / elements, ratio=None)
         if self.flights:
             self._last["comm_hidden"] = hidden_share(self.flights, t["wait"])
         if self.split is not None:
@@ -151,4 +165,5 @@ def hidden_share(flights, blocked):
 def write_tensorboard(writer, stats, step):
     """Write a ``stats()`` dict to a ``torch.utils.tensorboard.SummaryWriter`` under hvd_topk/."""
     for key, value in stats.items():
-        writer.add_scalar(f"hvd_topk/{key}", float(value), step)
+        if value is not None:           # the ratio of a low-rank step
+            writer.add_scalar(f"hvd_topk/{key}", float(value), step)

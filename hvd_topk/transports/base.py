@@ -53,6 +53,8 @@ class Started(NamedTuple):
     nbytes: int                           # payload handed to the collectives by this rank
     sent_sq: float                        # squared norm of the values sent (compression gain)
     finish: Callable[[], Outcome]         # waits for the collective
+    values: Optional[int] = None          # lowrank: the values it sends for the tensor (r(n + m) of P and
+                                          # Q, or every element of one it sends whole); None: top-k's k
 
 
 class Transport(Protocol):

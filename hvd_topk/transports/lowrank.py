@@ -201,7 +201,7 @@ class LowRank:
                 self._run_step()
             return self.outcomes.pop(key)
         values = r * sum(matrix.shape) if r else acc.numel()      # P and, at finish, Q; or everything
-        return Started((values + 1) * acc.element_size(), sent_sq, finish)
+        return Started((values + 1) * acc.element_size(), sent_sq, finish, values)
 
     def _run_step(self):
         """Phases a-c for every key in flight, in key order (module docstring)."""
