@@ -12,6 +12,8 @@ import threading
 
 import psutil
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 __all__ = ["launch_command", "run_job", "JobFailed"]
 
 # mpirun across hosts starts its daemon on each other host through ssh before any rank runs. On a loaded
@@ -109,6 +111,9 @@ def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None
     # Running as root (containers, CI): OpenMPI refuses unless told it is deliberate.
     full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                     OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # The ranks import this checkout's packages: a worker's own folder is its sys.path[0], and the venv's
+    # editable install names whichever checkout ran scripts/install.sh last (a second clone sharing the venv).
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     full_env.update(env or {})
     cmd = [*prefix, *launch_command(np, argv, backend, hosts=hosts, interface=interface,
                                     export=tuple(env or ()), shared_memory=shared_memory)]

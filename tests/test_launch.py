@@ -1,7 +1,10 @@
-"""testbed/launch.py's command lines (no job is started)."""
+"""testbed/launch.py's command lines, and which checkout a job's ranks import."""
+import os
+import sys
+
 import pytest
 
-from testbed.launch import launch_command
+from testbed.launch import ROOT, launch_command, run_job
 
 HOSTS = "10.77.0.1:2,10.77.0.2:2"
 
@@ -22,3 +25,16 @@ def test_mpi_is_tcp_only_unless_shared_memory_is_asked():
 def test_shared_memory_is_mpi_only():
     with pytest.raises(ValueError, match="mpi"):
         launch_command(2, ["python", "w.py"], "gloo", shared_memory=True)
+
+
+@pytest.mark.multirank
+def test_ranks_import_this_checkouts_packages(tmp_path, monkeypatch):
+    """A worker's own folder is its sys.path[0] and the venv's editable install may name another checkout
+    (another clone that ran scripts/install.sh): here another hvd_topk is first on the caller's path, yet
+    the ranks import this checkout's."""
+    (tmp_path / "other" / "hvd_topk").mkdir(parents=True)
+    (tmp_path / "other" / "hvd_topk" / "__init__.py").write_text("")
+    (tmp_path / "worker.py").write_text("import hvd_topk\nprint('imported', hvd_topk.__file__)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "other"))
+    out = run_job(1, [sys.executable, str(tmp_path / "worker.py")], cwd=str(tmp_path), timeout=120)
+    assert f"imported {os.path.join(ROOT, 'hvd_topk', '__init__.py')}" in out, out
