@@ -26,8 +26,9 @@ from horovod.torch import mpi_ops
 
 from .arguments import check_hierarchical
 from .settings import PowerSGDSettings
-from .step.compressor_door import CompressorDoor
+from .step.compressor_door import ClassOrInstance, CompressorDoor
 from .step.op_token import OpToken
+from .step.stats import StepStats
 from .core.lowrank import compressed_rank
 from .core.sparsify import sq_norm_finite
 from .transports.build import build_transports
@@ -92,6 +93,7 @@ class PowerSGD(CompressorDoor):
         self.token = OpToken(process_set, mismatch_hint=self.hint, door="PowerSGD")
         self._transport = None                # built at the first compress
         self._restored = None                 # Q's loaded before it was built
+        self.step_stats = StepStats()         # the figures of ``stats()``
 
     @property
     def transport(self):
@@ -112,16 +114,24 @@ class PowerSGD(CompressorDoor):
         key = self._next_key(tensor)
         s = self.settings
         if not compressed_rank(tuple(tensor.shape), s.rank, s.min_compression_rate):
+            self.step_stats.add_sent(tensor.numel() * tensor.element_size(), 0.0, 0.0, dense=True)
             return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
-        acc = self.memory.compensate(key, tensor)
-        started = self.transport.start(key, acc, None, sq_norm_finite(acc)[1], grad=tensor)
-        return self.token.make(key, tensor), _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started)
+        transport = self.transport
+        with self.step_stats.selecting():     # accumulate, and P = M Q
+            acc = self.memory.compensate(key, tensor)
+            acc_sq, finite = sq_norm_finite(acc)
+            started = transport.start(key, acc, None, finite, grad=tensor)
+        token = self.token.make(key, tensor)
+        self.step_stats.add_sent(started.nbytes + token.numel() * token.element_size(), started.sent_sq, acc_sq,
+                                 lowrank=(started.values, acc.numel()))
+        return token, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started)
 
     def _failed_payload(self, tensor):
         compressed = compressed_rank(tuple(tensor.shape), self.settings.rank, self.settings.min_compression_rate)
         return super()._failed_payload(tensor) if compressed else tensor
 
     def _receive(self, reduced, ctx):
+        self.step_stats.syncing()
         # raises, on every rank, before any value is used; then the step's phases run (first receive)
         # with Horovod's op, so the mean is P Q^T itself, as the optimizer's transport makes it
         self.transport.average = self.token.average(reduced, ctx.key)
@@ -131,6 +141,16 @@ class PowerSGD(CompressorDoor):
     def _forget(self):
         if self._transport is not None:
             self._transport.forget()
+
+    def _end_step(self):
+        super()._end_step()
+        self.step_stats.end_step(density=1.0)     # 1.0 where every gradient went dense
+
+    @ClassOrInstance
+    def stats(self):
+        """Figures of the last step this PowerSGD decompressed (``hvd_topk.step.stats``: bytes, the share
+        of its tensors' elements P and Q carry, where the time went), its residual norm and rank."""
+        return dict(self.step_stats.last(), residual_norm=self.memory.norm(), rank=self.settings.rank)
 
     def state_dict(self):
         """This rank's residuals and the warm-start Q's (identical on every rank)."""

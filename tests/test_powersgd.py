@@ -60,6 +60,18 @@ def test_both_doors_identical_everywhere_and_alike(results, np, doors_job):
     assert res[0]["opt"]["q"]["lowrank"]["q"]["0.weight"].shape == (27, 2)
     assert all(res[r]["stock"]["residuals"]["0.weight"] is not None for r in range(np))
     assert not torch.equal(res[0]["stock"]["residuals"]["3.weight"], res[1]["stock"]["residuals"]["3.weight"])
+    # both doors' stats(): P and Q carry r(n + m) of the n x m elements of the three weights, rank 2
+    share = (2 * (8 + 27) + 2 * (32 + 288) + 2 * (10 + 32)) / (8 * 27 + 32 * 288 + 10 * 32)
+    for r in range(np):
+        for name in BOTH:
+            stats = res[r][name]["stats"]
+            assert stats["density"] == stats["lowrank_density"] == pytest.approx(share), (r, name)
+            assert stats["ratio"] is None and stats["sparse_tensors"] == 3 and stats["dense_tensors"] == 3, (r, name)
+        # the stock door's payload: P and Q with a finite flag per weight, Horovod's 4-element token per
+        # weight, the three biases whole, all float64
+        biases = 8 + 32 + 10
+        assert res[r]["stock"]["stats"]["bytes_sent"] == 8 * (round(share * 9752) + 3 + 4 * 3 + biases), r
+        assert res[r]["stock"]["stats"]["rank"] == 2 and res[r]["stock"]["stats"]["residual_norm"] > 0
 
 
 @pytest.mark.parametrize("np,doors_job", [(2, NAN), pytest.param(3, SUM3, marks=pytest.mark.slow)], ids=["2", "3"])

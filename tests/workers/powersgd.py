@@ -140,6 +140,8 @@ with warnings.catch_warnings(record=True) as seen:
 for door, (model, opt, compressor) in built.items():
     result[door] = dict(records[door], params={n: q.detach().clone() for n, q in model.named_parameters()},
                         residuals=residuals(door, opt, compressor))
+    if door != "dense":                            # the last step's figures, as each door reports them
+        result[door]["stats"] = opt.stats() if door == "opt" else compressor.stats()
     if door == "opt":
         result[door]["transports"] = sorted(opt._hvd_topk.transports)
         result[door]["q"] = {name: t.state_dict() for name, t in opt._hvd_topk.transports.items()
