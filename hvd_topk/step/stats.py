@@ -1,4 +1,5 @@
-"""Per-step figures of both front doors (``opt.stats()``, ``TopKEF.stats()``), and a TensorBoard writer.
+"""Per-step figures of both front doors (``opt.stats()``, ``TopKEF.stats()``, ``PowerSGD.stats()``), and a
+TensorBoard writer.
 
 The figures of a step (``StepStats.last()``):
 
