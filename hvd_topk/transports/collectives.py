@@ -17,10 +17,12 @@ from horovod.torch import mpi_ops
 
 __all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait"]
 
-# wait()'s sleeps between polls: from 20 us, doubling, to at most 100 us. HVD_TOPK_SPIN_WAIT=1 waits as
-# Horovod does (spinning): the least latency where every rank has cores of its own, and the baseline
-# of the A/B measurement in docs/studies/2026-11-wait-poll-vs-spin.md.
-_FIRST_SLEEP_S, _LONGEST_SLEEP_S = 2e-5, 1e-4
+# wait()'s sleeps between polls: from 20 us, doubling, to at most 1 ms (a wait of 1.3 ms has slept
+# 20-640 us). Not 100 us: 10,000 wake-ups a second per waiting rank took the cores from Open MPI's
+# spinning progress, and 4 ranks on 2 cores under mpirun took 14-318 s for a 16-step job that takes
+# 13-19 s with the 1 ms cap (docs/studies/2026-11-wait-poll-vs-spin.md). HVD_TOPK_SPIN_WAIT=1 waits
+# as Horovod does (spinning): the least latency where every rank has cores of its own.
+_FIRST_SLEEP_S, _LONGEST_SLEEP_S = 2e-5, 1e-3
 _SPIN = os.environ.get("HVD_TOPK_SPIN_WAIT") == "1"
 
 
@@ -31,7 +33,7 @@ def wait(handle):
     Why: ``synchronize`` spins (Horovod 0.28.1 waits in a yield loop) until the background thread
     is done, so every waiting rank burns a whole core. Where ranks share cores (oversubscribed CPU jobs,
     several ranks per host) the spinning takes the CPU from the ranks and Horovod threads that do the
-    work. The sleeps add at most about 0.1 ms per collective, against Horovod's cycle of 1 ms or more.
+    work. A sleep ends at most as long after the collective as the wait had lasted, and at most 1 ms.
     Errors are ``synchronize``'s own (a finished ``poll`` leaves them to it)."""
     pause = _FIRST_SLEEP_S
     while not _SPIN and not mpi_ops.poll(handle):
