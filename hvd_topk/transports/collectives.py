@@ -17,10 +17,11 @@ from horovod.torch import mpi_ops
 
 __all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait"]
 
-# wait()'s sleeps between polls: from 20 us, doubling, to at most 1 ms (a wait of 1.3 ms has slept
-# 20-640 us). Not 100 us: 10,000 wake-ups a second per waiting rank took the cores from Open MPI's
+# wait()'s sleeps between polls: an eighth of the time waited so far, from 20 us to at most 1 ms, so that
+# a short wait ends soon after its collective and a long one wakes 1,000 times a second. Not at most
+# 100 us: 10,000 wake-ups a second per waiting rank took the cores from Open MPI's
 # spinning progress, and 4 ranks on 2 cores under mpirun took 14-318 s for a 16-step job that takes
-# 13-19 s with the 1 ms cap (docs/studies/2026-11-wait-poll-vs-spin.md). HVD_TOPK_SPIN_WAIT=1 waits
+# 13-24 s with the 1 ms cap (docs/studies/2026-11-wait-poll-vs-spin.md). HVD_TOPK_SPIN_WAIT=1 waits
 # as Horovod does (spinning): the least latency where every rank has cores of its own.
 _FIRST_SLEEP_S, _LONGEST_SLEEP_S = 2e-5, 1e-3
 _SPIN = os.environ.get("HVD_TOPK_SPIN_WAIT") == "1"
@@ -33,12 +34,11 @@ def wait(handle):
     Why: ``synchronize`` spins (Horovod 0.28.1 waits in a yield loop) until the background thread
     is done, so every waiting rank burns a whole core. Where ranks share cores (oversubscribed CPU jobs,
     several ranks per host) the spinning takes the CPU from the ranks and Horovod threads that do the
-    work. A sleep ends at most as long after the collective as the wait had lasted, and at most 1 ms.
+    work. A wait ends at most an eighth of its length (and 1 ms) after its collective did.
     Errors are ``synchronize``'s own (a finished ``poll`` leaves them to it)."""
-    pause = _FIRST_SLEEP_S
+    start = time.monotonic()
     while not _SPIN and not mpi_ops.poll(handle):
-        time.sleep(pause)
-        pause = min(2 * pause, _LONGEST_SLEEP_S)
+        time.sleep(min(max(_FIRST_SLEEP_S, (time.monotonic() - start) / 8), _LONGEST_SLEEP_S))
     return mpi_ops.synchronize(handle)
 
 
