@@ -157,16 +157,19 @@ def test_compressed_digits_within_one_point_of_dense(tmp_path):
 
 @pytest.mark.slow
 def test_compressed_adam_within_one_point_of_dense(tmp_path):
-    """3 seeds, 20 epochs at the task's 16 a rank (880 steps), Adam on gradients compressed at ratio 0.01
-    (artopk) within one point of dense Adam. Not at 64 or 32 a rank as the SGD test above: there it
-    ended 2 points short (0.959 against 0.979, 0.960 against 0.981). Adam on each rank's compressed
-    update (``compress='update'``) ended level with dense in every run measured (here the same accuracy
-    on all 3 seeds; at 32 and 64 a rank within 0.3 point), so it is left to the LM test below."""
-    s = bench_run(tmp_path, "--task", "cnn", "--seeds", "0,1,2", "--steps", "880", "--turn", "20",
-                  "--eval-every", "440", "--optimizer", "adam", "--lr", "0.001", "--min-numel", "2048", "--arms",
-                  "horovod dense,hvd_topk artopk", timeout=2400)
-    dense, gradient = (a["final_accuracy"] for a in s["arms"].values())
-    assert dense > 0.95 and gradient >= dense - 0.01, (dense, gradient)
+    """3 seeds, 20 epochs of the small CNN at 64 a rank (220 steps, as the SGD test above), Adam lr 0.001:
+    the recipe docs/optimizer.md gives Adam-type optimizers (top-k 0.01 of each rank's Adam update,
+    allgather, no local momentum) within one point of dense Adam's mean accuracy. Measured: dense 0.9814,
+    the recipe 0.9768; Adam on top-k gradients (``hvd_topk artopk``) 0.9127 in the same run, 6.9 points
+    short, so the bound tells the two apart. (At 16 a rank, 880 steps, the gradients too end within a
+    point, 0.9805 against 0.9889 on seed 0, at twice this test's cost: a study, not this test.)"""
+    s = bench_run(tmp_path, "--task", "cnn", "--seeds", "0,1,2", "--steps", "220", "--turn", "10",
+                  "--eval-every", "110", "--batch-size", "64", "--optimizer", "adam", "--lr", "0.001",
+                  "--min-numel", "2048", "--arms",
+                  "horovod dense,hvd_topk[communication=allgather,compress=update,local_momentum=false]",
+                  timeout=2400)
+    dense, update = (a["final_accuracy"] for a in s["arms"].values())
+    assert dense > 0.95 and update >= dense - 0.01, (dense, update)
 
 
 @pytest.mark.slow
