@@ -14,6 +14,7 @@ from horovod.torch import mpi_ops
 from horovod.torch.mpi_ops import Average, Sum
 
 from .core.validate import check_choice, check_int, check_number
+from .transports.build import OWN_COLLECTIVES
 
 __all__ = ["check_topk_settings", "check_lowrank_settings", "check_lowrank_use", "topk_only_settings",
            "check_optimizer_settings", "check_hierarchical", "check_stock_selection", "check_optimizer",
@@ -28,7 +29,7 @@ COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")
 # TopKEF's with selection='global': the transports that carry their own values (and dense, which selects nothing)
-GLOBAL_STOCK_COMMUNICATIONS = ("split_reduce", "allgather", "hierarchical", "dense")
+GLOBAL_STOCK_COMMUNICATIONS = OWN_COLLECTIVES + ("dense",)
 VALUES = ("bf16", "fp16", "fp32")          # TopKSettings.values: hvd_topk.core.codec's kinds of float32 values
 
 

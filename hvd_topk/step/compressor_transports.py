@@ -31,18 +31,16 @@ from .op_token import TOKEN_SIZE, OpToken
 from .stats import StepStats
 from .fused_plan import FusedPlan
 from ..transports import ARTopk
-from ..transports.build import build_transports
+from ..transports.build import OWN_COLLECTIVES, build_transports
 
 __all__ = ["CompressorTransports", "sends_token", "transports_state", "load_transports_state"]
-
-OWN = ("split_reduce", "allgather", "hierarchical")     # the transports that start their own collectives
 
 
 def sends_token(communication, numel, k):
     """Whether ``CompressorTransports.send`` hands Horovod the ``op_token`` for a tensor of ``numel``
-    entries, ``k`` kept: its transport runs its own collectives (``OWN``) and keeps fewer than all.
+    entries, ``k`` kept: its transport runs its own collectives (``OWN_COLLECTIVES``) and keeps fewer than all.
     Else the tensor's values go in Horovod's allreduce."""
-    return communication in OWN and k < numel
+    return communication in OWN_COLLECTIVES and k < numel
 
 
 class CompressorTransports:
@@ -64,7 +62,7 @@ class CompressorTransports:
         self.steps = {}                       # key -> artopk steps so far (same on all ranks)
         self.unchecked = set()                # artopk: keys restored with steps > 0, not yet sent a token
         self.token = OpToken(process_set, mismatch_hint=mismatch_hint)
-        self._stack, self._own = None, None   # build_transports' stack, and its OWN transports
+        self._stack, self._own = None, None   # build_transports' stack, and its OWN_COLLECTIVES transports
         self._restored = None                 # the index sets and regions loaded before the stack was built
         self.stats = StepStats()              # TopKEF.stats()
         self.sent_numels = {}                 # key -> numel of what went through a fused transport this step
@@ -76,7 +74,7 @@ class CompressorTransports:
             self._stack = build_transports(self.settings, tag=self.tag, key_index=self.key_index,
                                            process_set=self.process_set, mismatch_hint=self.mismatch_hint,
                                            on_leaders_differ=lambda: self.steps.clear(), stats=self.stats)
-            self._own = {name: t for name, t in self._stack.transports.items() if name in OWN}
+            self._own = {name: t for name, t in self._stack.transports.items() if name in OWN_COLLECTIVES}
             if self._restored is not None:
                 _load_shared(self, self._restored)
                 self._restored = None
@@ -87,7 +85,7 @@ class CompressorTransports:
 
     @property
     def own(self):
-        """name -> the transports of ``OWN`` that were built (with the stack, at first use)."""
+        """name -> the transports of ``OWN_COLLECTIVES`` that were built (with the stack, at first use)."""
         self._built()
         return self._own
 

@@ -29,7 +29,11 @@ from .lowrank import LowRank
 from .regions import Regions
 from .split_reduce import SplitReduce
 
-__all__ = ["TransportStack", "build_transports"]
+__all__ = ["TransportStack", "build_transports", "OWN_COLLECTIVES"]
+
+# The Top-K transports that start their own collectives (more than one phase, or values of their own):
+# TopKEF runs them behind its token, and only they carry a global selection's values through it.
+OWN_COLLECTIVES = ("split_reduce", "allgather", "hierarchical")
 
 
 class TransportStack(NamedTuple):
