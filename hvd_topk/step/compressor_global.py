@@ -12,7 +12,8 @@ with layer-wise selection.
 Every gradient's token is read before its slice is handed out (the first one's before the transport
 runs): Horovod's op (Sum or Average) scales the aggregate, and a key the ranks disagree on raises on
 every rank. The transport is one that starts its own collectives
-(``transports.build.OWN_COLLECTIVES``): only those can wait for the step's last gradient (``hvd_topk.arguments.check_stock_selection``).
+(``transports.build.OWN_COLLECTIVES``): only those can wait for the step's last gradient
+(``hvd_topk.arguments.check_stock_selection``).
 """
 from .bucket import GLOBAL_KEY, GlobalBucket
 from ..core.sparsify import k_for, sq_norm_finite

@@ -38,8 +38,8 @@ __all__ = ["CompressorTransports", "sends_token", "transports_state", "load_tran
 
 def sends_token(communication, numel, k):
     """Whether ``CompressorTransports.send`` hands Horovod the ``op_token`` for a tensor of ``numel``
-    entries, ``k`` kept: its transport runs its own collectives (``OWN_COLLECTIVES``) and keeps fewer than all.
-    Else the tensor's values go in Horovod's allreduce."""
+    entries, ``k`` kept: its transport runs its own collectives (``OWN_COLLECTIVES``) and keeps fewer
+    than all. Else the tensor's values go in Horovod's allreduce."""
     return communication in OWN_COLLECTIVES and k < numel
 
 
