@@ -270,7 +270,7 @@ def test_bad_input_raises_value_error(call, match):
         call()
 
 
-WIRE = job(2, "codec_wire.py")
+WIRE = job(2, "codec_wire.py", backend="gloo")
 WIRE_SPANS = {(0, 0): 131_072, (1, 0): 68_931, (0, 1): 3, (1, 1): 2}     # (owner, tensor): its region's length
 
 

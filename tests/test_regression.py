@@ -28,7 +28,7 @@ import pytest
 from conftest import ROOT, job
 
 REFERENCE = os.path.join(ROOT, "tests", "data", "regression_digests.json")
-EVERY_CONFIGURATION = job(2, "regression.py")
+EVERY_CONFIGURATION = job(2, "regression.py", backend="gloo")   # as recorded
 
 
 @pytest.mark.jobs(EVERY_CONFIGURATION)

@@ -14,7 +14,7 @@ VARIANTS = ("dense", "artopk", "allgather", "split_reduce", "allgather-bf16", "s
 CODED = {"allgather-bf16": "bf16", "split_reduce-bf16": "bf16", "split_reduce-fp16": "fp16",
          "allgather-fused": "bf16", "split_reduce-fused": "bf16"}
 NAN_STEP = 3
-JOBS = [job(np, "transports.py", "--nan-step", NAN_STEP) for np in (2, 3)]
+JOBS = [job(np, "transports.py", "--nan-step", NAN_STEP, backend="gloo") for np in (2, 3)]   # Gloo: as users launch
 
 
 def max_nbytes(variant, n, k, ranks):
