@@ -167,7 +167,7 @@ def test_positional_topkef_refuses_ranks_that_order_gradients_differently(result
 # one. They all register the same set {0, 1}, so they share theirs.
 OUTSIDE_SET = "process set {0, 1} of 3"
 OUTSIDE_SET_GIVEN = job(3, "outside_set.py", "--compression", "positional", "--topkef-set", "optimizer",
-                        alone=OUTSIDE_SET)
+                        alone=OUTSIDE_SET, backend="gloo")   # the refused jobs' launcher: one launch
 
 
 @pytest.mark.jobs(OUTSIDE_SET_GIVEN)

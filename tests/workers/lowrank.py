@@ -43,7 +43,7 @@ p.add_argument("--hosts", type=int, default=0, help="ranks per emulated host, fo
 args = p.parse_args()
 
 pair = hvd.ProcessSet([int(r) for r in args.set.split(",")]) if args.set else None
-size = int(os.environ.get("HOROVOD_SIZE", "1"))
+size = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))   # horovodrun, mpirun
 host_lists = [list(range(h, h + args.hosts)) for h in range(0, size, args.hosts)] if args.hosts else []
 cross_lists = [[h[j] for h in host_lists] for j in range(args.hosts)]
 host_sets = [hvd.ProcessSet(ranks) for ranks in host_lists + cross_lists]
