@@ -309,6 +309,7 @@ def test_copyable_example_is_one_screen():
     assert "hvd.DistributedOptimizer(" in source and "compression=TopKEF(" in source
 
 
+@pytest.mark.slow       # horovodrun of its own; the fast loop trains examples/digits_cnn.py in shared launches
 @pytest.mark.multirank
 def test_copyable_example_trains_with_identical_parameters():
     """horovodrun -np 2 --gloo python examples/pytorch_digits_topkef.py, as its docstring launches it

@@ -96,7 +96,8 @@ def test_nan_on_one_rank_skips_step_everywhere_and_keeps_residuals(results):
         assert all(torch.isfinite(v).all() for v in res["residuals"].values() if v is not None)
 
 
-CRASH_ON_RANK_ONE = job(2, "train.py", "--steps", 10, "--crash-rank", 1, timeout=120, fails=True)
+# mpirun: the test reads rank 1's error only, and a failed job ends its launch (Gloo's are dearer)
+CRASH_ON_RANK_ONE = job(2, "train.py", "--steps", 10, "--crash-rank", 1, timeout=120, fails=True, backend="mpi")
 
 
 @pytest.mark.jobs(CRASH_ON_RANK_ONE)
@@ -109,7 +110,8 @@ def test_a_failing_rank_fails_the_job_instead_of_hanging(results):
     assert results.run(CRASH_ON_RANK_ONE).seconds < 60
 
 
-FROZEN_MID_RUN = job(2, "train.py", "--steps", 10, "--freeze-step", 5, "--ratio", 0.1, timeout=120, fails=True)
+FROZEN_MID_RUN = job(2, "train.py", "--steps", 10, "--freeze-step", 5, "--ratio", 0.1, timeout=120, fails=True,
+                     backend="mpi")     # one rank's error is enough, as above
 
 
 @pytest.mark.jobs(FROZEN_MID_RUN)
@@ -148,9 +150,11 @@ def test_named_topkef_holds_when_ranks_use_different_parameters(results):
     assert_identical_across_ranks(results(UNEVEN["sparse"]))
 
 
+# the class form keeps its state in the class, for the life of the process: a launch of its own, in the
+# full suite only (the fast loop refuses the class form in tests/test_contract.py)
 @pytest.mark.parametrize("refused", [
-    # the class form keeps its state in the class, for the life of the process: a launch of its own
-    job(2, "uneven_params.py", "--compression", form, timeout=90, fails=True, alone=form == "class")
+    pytest.param(job(2, "uneven_params.py", "--compression", form, timeout=90, fails=True, alone=form == "class"),
+                 marks=[pytest.mark.slow] if form == "class" else [])
     for form in ("positional", "class")], ids=["positional", "class"])
 def test_positional_topkef_refuses_ranks_that_order_gradients_differently(results, refused):
     """Without names, TopKEF keys gradients by position; the ranks' orders differ here, so every rank
@@ -170,6 +174,7 @@ OUTSIDE_SET_GIVEN = job(3, "outside_set.py", "--compression", "positional", "--t
                         alone=OUTSIDE_SET, backend="gloo")   # the refused jobs' launcher: one launch
 
 
+@pytest.mark.slow      # a 3-rank launch of its own; the fast loop keeps tests/test_contract.py's process sets
 @pytest.mark.jobs(OUTSIDE_SET_GIVEN)
 def test_positional_topkef_given_the_optimizers_process_set_trains_within_it(results):
     """The optimizer reduces within {0, 1} of 3 ranks and TopKEF (no names) is given that set: ranks 0
@@ -186,12 +191,13 @@ def outside_set_refused(form, communication):
                timeout=150, fails=True, alone=True if form == "class" else OUTSIDE_SET)
 
 
-# the fast loop keeps one (each waits out the shutdown grace, 5 s in the suite; the class form's is a
-# launch of its own)
+# in the full suite only, as the job above (each waits out the shutdown grace, 5 s in the suite; the
+# class form's is a launch of its own)
+@pytest.mark.slow
 @pytest.mark.parametrize("refused", [outside_set_refused("positional", "split_reduce"),
-                                     pytest.param(outside_set_refused("class", "split_reduce"), marks=pytest.mark.slow),
-                                     pytest.param(outside_set_refused("positional", "artopk"), marks=pytest.mark.slow),
-                                     pytest.param(outside_set_refused("named", "split_reduce"), marks=pytest.mark.slow)],
+                                     outside_set_refused("class", "split_reduce"),
+                                     outside_set_refused("positional", "artopk"),
+                                     outside_set_refused("named", "split_reduce")],
                          ids=["positional-split_reduce", "class-split_reduce", "positional-artopk", "named-split_reduce"])
 def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(results, refused):
     """The optimizer reduces within {0, 1} of 3 ranks; TopKEF is not given that set (the class form
