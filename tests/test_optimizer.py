@@ -524,7 +524,9 @@ def test_non_finite_tensor_on_one_rank_skips_plain_step_everywhere(results, nan_
 
 
 SAVED_BY_TWO = job(2, "opt_train.py", "--steps", 10, "--save-at", 4)
-RESUMED_BY_THREE = job(3, "opt_train.py", "--steps", 10, "--resume", OutOf(SAVED_BY_TWO, "ckpt.pt"), fails=True)
+# mpirun: the test reads one rank's error, and the job ends the 3-rank mpirun launch last (no launch of its own)
+RESUMED_BY_THREE = job(3, "opt_train.py", "--steps", 10, "--resume", OutOf(SAVED_BY_TWO, "ckpt.pt"), fails=True,
+                       backend="mpi")
 
 
 @pytest.mark.jobs(RESUMED_BY_THREE)
