@@ -85,10 +85,8 @@ def job(np, worker, *args, backend=None, alone=False, env=None, netns=None, time
         backend: ``"mpi"`` (mpirun) or ``"gloo"`` (horovodrun --gloo). None: ``"gloo"`` for a job that
             ``fails`` (horovodrun lets every rank print its own error, which those tests read, where
             mpirun ends the other ranks at the first exit) or runs in a ``netns`` (the wire tests count
-            the bytes of the transport as users launch it), else ``"mpi"``: the same jobs took 93 s
-            instead of 117 s on 2 ranks and 24 s instead of 44 s on 3 (a 2-core machine), since
-            horovodrun spends 3 s importing torch before any rank starts and Horovod's Gloo steps are
-            slower, up to 3x with more ranks than cores.
+            the bytes of the transport as users launch it), else ``"mpi"``, the cheaper launch here
+            (figures in docs/testing.md).
         alone: True: the run needs a launch of its own (state that lives as long as the process, such as
             the class form ``compression=TopKEF``, or ``hvd.shutdown()``); a string: it shares a launch
             only with the jobs of the same string (e.g. jobs that all register the same process sets at

@@ -29,7 +29,7 @@ import horovod.torch as hvd
 import torch
 
 from hvd_topk.transports.collectives import Collectives
-from hvd_topk.transports.host_sets import HostSets
+from hvd_topk.transports.host_sets import HostSets, host_process_sets
 from hvd_topk.transports.lowrank import LowRank
 
 p = argparse.ArgumentParser()
@@ -43,10 +43,9 @@ p.add_argument("--hosts", type=int, default=0, help="ranks per emulated host, fo
 args = p.parse_args()
 
 pair = hvd.ProcessSet([int(r) for r in args.set.split(",")]) if args.set else None
-size = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))   # horovodrun, mpirun
-host_lists = [list(range(h, h + args.hosts)) for h in range(0, size, args.hosts)] if args.hosts else []
-cross_lists = [[h[j] for h in host_lists] for j in range(args.hosts)]
-host_sets = [hvd.ProcessSet(ranks) for ranks in host_lists + cross_lists]
+# the host sets, then the cross sets, from the launcher's size (horovodrun's or mpirun's)
+host_sets = host_process_sets(local_size=args.hosts) if args.hosts else []
+n_hosts = len(host_sets) - args.hosts
 hvd.init(process_sets=([pair] if pair else []) + host_sets or None)
 torch.set_num_threads(1)
 SHAPES = {"conv": (6, 3, 3, 3), "fc": (20, 12), "bias": (20,), "thin": (3, 40)}
@@ -63,8 +62,8 @@ def build(scenario, average, process_set, hosts=None):
 def emulated_hosts():
     """This rank's ``HostSets`` of the registered host and cross sets."""
     h = hvd.rank() // args.hosts
-    return HostSets(host=host_sets[h], cross=host_sets[len(host_lists) + hvd.rank() % args.hosts],
-                    position=hvd.rank() % args.hosts, hosts=len(host_lists), per_host=args.hosts)
+    return HostSets(host=host_sets[h], cross=host_sets[n_hosts + hvd.rank() % args.hosts],
+                    position=hvd.rank() % args.hosts, hosts=n_hosts, per_host=args.hosts)
 
 
 def orders(step):
