@@ -1,11 +1,14 @@
-"""An elastic Horovod job (``horovodrun --min-np/--max-np --host-discovery-script``), written exactly as
-Horovod's documentation writes one: ``hvd.elastic.TorchState(model=..., optimizer=...)``, ``@hvd.elastic.run``,
-``state.commit()``.
+"""An elastic Horovod job (``horovodrun --min-np/--max-np --host-discovery-script``), written as
+Horovod's documentation writes one (``hvd.elastic.TorchState``, ``@hvd.elastic.run``, ``state.commit()``),
+with both front doors side by side: each rank trains two copies of one MLP, one through
+``hvd_topk.DistributedOptimizer`` and one through stock ``hvd.DistributedOptimizer`` with TopKEF, both in
+the one state that elastic Horovod commits, restores and syncs. One job tests both doors: an elastic
+job here costs about 30 s, mostly its workers' starts and Horovod's resets, not its steps.
 
 Every process appends one JSON line per finished step to ``<out>/log.<pid>.jsonl``: the step, the world
-size, its rank and a digest of its parameters; rank 0 also writes ``<out>/progress`` ("step size") for
-the test that changes the hosts. ``--kill-host H --kill-step S``: the worker on host H SIGKILLs itself
-after step S, between two commits.
+size, its rank and a digest of each door's parameters; rank 0 also writes ``<out>/progress`` ("step
+size") for the test that changes the hosts. ``--kill-host H --kill-step S``: the worker on host H
+SIGKILLs itself after step S, between two commits.
 """
 import argparse
 import hashlib
@@ -23,7 +26,6 @@ from hvd_topk import TopKEF
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
-p.add_argument("--column", choices=["hvd_topk", "topkef"], default="hvd_topk")
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--ratio", type=float, default=0.1)
 p.add_argument("--commit-every", type=int, default=1)
@@ -34,21 +36,28 @@ args = p.parse_args()
 
 hvd.init()
 torch.set_num_threads(1)
-torch.manual_seed(1234)
-model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
-base = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-if args.column == "hvd_topk":
-    opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                        compression=TopKEF(ratio=args.ratio, min_numel=16))
-else:
-    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                   compression=TopKEF(ratio=args.ratio, min_numel=16,
-                                                      named_parameters=model.named_parameters()))
+
+
+def mlp():
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+# Each door's own names: Horovod matches the ranks' collectives by name, and the two doors' collectives
+# of one step must not share one.
+models = {"hvd_topk": mlp(), "topkef": mlp()}
+named = {door: [(f"{door}.{n}", q) for n, q in model.named_parameters()] for door, model in models.items()}
+opts = {"hvd_topk": hvd_topk.DistributedOptimizer(
+            torch.optim.SGD(models["hvd_topk"].parameters(), lr=0.02, momentum=0.9),
+            named_parameters=named["hvd_topk"], compression=TopKEF(ratio=args.ratio, min_numel=16)),
+        "topkef": hvd.DistributedOptimizer(
+            torch.optim.SGD(models["topkef"].parameters(), lr=0.02, momentum=0.9), named_parameters=named["topkef"],
+            compression=TopKEF(ratio=args.ratio, min_numel=16, named_parameters=named["topkef"]))}
 w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
 log = open(os.path.join(args.out, f"log.{os.getpid()}.jsonl"), "a")
 
 
-def digest():
+def digest(model):
     h = hashlib.sha256()
     for _, q in sorted(model.named_parameters()):
         h.update(q.detach().numpy().tobytes())
@@ -58,12 +67,14 @@ def digest():
 @hvd.elastic.run
 def train(state):
     while state.step < args.steps:
-        opt.zero_grad()
         x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1000 * hvd.rank() + state.step))
-        ((model(x) - x @ w_true) ** 2).mean().backward()
-        opt.step()
+        for door, model in models.items():
+            opts[door].zero_grad()
+            ((model(x) - x @ w_true) ** 2).mean().backward()
+            opts[door].step()
         state.step += 1
-        log.write(json.dumps({"step": state.step, "size": hvd.size(), "rank": hvd.rank(), "digest": digest()}) + "\n")
+        log.write(json.dumps({"step": state.step, "size": hvd.size(), "rank": hvd.rank(),
+                              "digest": {door: digest(model) for door, model in models.items()}}) + "\n")
         log.flush()
         if hvd.rank() == 0:
             with open(os.path.join(args.out, "progress"), "w") as f:
@@ -75,4 +86,5 @@ def train(state):
             state.commit()
 
 
-train(hvd.elastic.TorchState(model=model, optimizer=opt, step=0))
+train(hvd.elastic.TorchState(model=models["hvd_topk"], optimizer=opts["hvd_topk"], stock_model=models["topkef"],
+                             stock_optimizer=opts["topkef"], step=0))
