@@ -214,7 +214,7 @@ def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(results, r
     for rank in (0, 1):
         found = re.search(rf"rank {rank} failed at ([0-9.]+): ValueError: TopKEF: Horovod reduced this gradient "
                           "over a set of ranks other than TopKEF's process_set", output)
-        assert found, f"rank {rank}"
+        assert found, f"rank {rank} did not name process_set; the job's output:\n{output[-6000:]}"
         raised_at.append(float(found.group(1)))
     assert re.search(r"rank 2 failed at [0-9.]+: HorovodInternalError: Horovod has been shut down", output)
     assert ended - min(raised_at) < 60, "the job outlived its first error by a minute"
