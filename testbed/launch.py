@@ -23,10 +23,16 @@ ORTE_START_FAILED = "ORTE was unable to reliably start one or more daemons"
 
 
 class JobFailed(RuntimeError):
-    """A launched job exited non-zero or ran past its timeout; carries its output."""
+    """A launched job exited non-zero or ran past its timeout; carries its output. The message shows the
+    output's tail and, where the tail starts later, the first traceback: when one rank's error ends the
+    job, the other ranks' errors that follow it can fill the tail and hide the cause."""
 
     def __init__(self, message, output=""):
-        super().__init__(f"{message}\n--- job output (tail) ---\n{output[-6000:]}")
+        first = output.find("Traceback (most recent call last)")
+        first = output.rfind("\n", 0, first) + 1 if first >= 0 else -1     # from its line's start: the rank
+        cause = f"--- job output, first traceback ---\n{output[first:first + 3000]}\n" \
+            if 0 <= first < len(output) - 6000 else ""
+        super().__init__(f"{message}\n{cause}--- job output (tail) ---\n{output[-6000:]}")
         self.output = output
 
 

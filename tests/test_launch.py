@@ -1,10 +1,10 @@
-"""testbed/launch.py's command lines, and which checkout a job's ranks import."""
+"""testbed/launch.py's command lines, which checkout a job's ranks import, and what a failed job shows."""
 import os
 import sys
 
 import pytest
 
-from testbed.launch import ROOT, launch_command, run_job
+from testbed.launch import ROOT, JobFailed, launch_command, run_job
 
 HOSTS = "10.77.0.1:2,10.77.0.2:2"
 
@@ -25,6 +25,15 @@ def test_mpi_is_tcp_only_unless_shared_memory_is_asked():
 def test_shared_memory_is_mpi_only():
     with pytest.raises(ValueError, match="mpi"):
         launch_command(2, ["python", "w.py"], "gloo", shared_memory=True)
+
+
+def test_a_failed_job_shows_its_first_traceback_when_the_tail_starts_later():
+    """One rank's error ends the job; the other ranks' errors after it can fill the tail."""
+    cause = "[1]<stderr>:Traceback (most recent call last)\n[1]<stderr>:ValueError: the cause\n"
+    long = str(JobFailed("job exited with 1", "[0]<stdout>:start\n" + cause + "[2]<stderr>:later\n" * 1000))
+    assert "first traceback ---\n" + cause in long and long.count("ValueError: the cause") == 1
+    short = str(JobFailed("job exited with 1", cause + "[2]<stderr>:later\n" * 10))
+    assert "first traceback" not in short and short.count("ValueError: the cause") == 1   # in the tail already
 
 
 @pytest.mark.multirank
