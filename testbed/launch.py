@@ -77,14 +77,17 @@ def launch_command(np, argv, backend="gloo", hosts=None, interface=None, export=
         if shared_memory:
             # ob1 named so that the btl list is certain to be what carries the bytes. No single-copy
             # mechanism (CMA needs ptrace rights a container may not grant): copies through the shared
-            # segment. Yield when idle: emulated hosts share this machine's cores (4 ranks on 2 here),
-            # which Open MPI cannot see, and a rank spinning in its progress loop takes the core from
-            # the rank it waits for (a 6.3M-float reduce-scatter in a host took 2-14 s without, 0.25-1.3 s
-            # with).
+            # segment.
             btl = ["--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp",
-                   "--mca", "btl_vader_single_copy_mechanism", "none", "--mca", "mpi_yield_when_idle", "1"]
+                   "--mca", "btl_vader_single_copy_mechanism", "none"]
+        # Yield when idle, whatever the rank count: each rank has two busy threads (the training loop and
+        # Horovod's background loop), and Open MPI yields by itself only when the ranks outnumber the
+        # cores, so 2 ranks on 2 cores spun in the progress loop and took the core from the thread they
+        # waited for: a 2-rank, 150-step MLP job took 11.9 s instead of 8.1 s, and a 6.3M-float
+        # reduce-scatter between emulated hosts (4 ranks on 2 cores, which Open MPI cannot see) 2-14 s
+        # instead of 0.25-1.3 s.
         cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", *btl,
-               *nic, "-x", "PATH", "-x", "PYTHONPATH"]
+               "--mca", "mpi_yield_when_idle", "1", *nic, "-x", "PATH", "-x", "PYTHONPATH"]
         if hosts is not None:
             # Ranks on the other hosts get only what -x names (ssh starts their daemons with a clean
             # environment); on this host they inherit the launcher's.

@@ -22,6 +22,12 @@ def test_mpi_is_tcp_only_unless_shared_memory_is_asked():
     assert shm["btl_tcp_if_include"] == shm["oob_tcp_if_include"] == "eth0"
 
 
+def test_every_mpi_launch_yields_when_idle():
+    """2 ranks on 2 cores are not oversubscribed to Open MPI, which then spins by default (testbed/launch.py)."""
+    for kwargs in ({}, {"hosts": HOSTS, "interface": "eth0"}, {"hosts": HOSTS, "shared_memory": True}):
+        assert _mca(launch_command(2, ["python", "w.py"], "mpi", **kwargs))["mpi_yield_when_idle"] == "1", kwargs
+
+
 def test_shared_memory_is_mpi_only():
     with pytest.raises(ValueError, match="mpi"):
         launch_command(2, ["python", "w.py"], "gloo", shared_memory=True)
