@@ -116,7 +116,7 @@ def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None
     An mpirun across ``hosts`` whose daemon on another host never started (``ORTE_START_FAILED``,
     before any rank ran) is launched once more; any other failure, or a second such start, raises.
     """
-    full_env = dict(os.environ)
+    full_env = _outside_any_mpi_job(dict(os.environ))
     # Running as root (containers, CI): OpenMPI refuses unless told it is deliberate.
     full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                     OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -133,6 +133,18 @@ def run_job(np, argv, backend="gloo", timeout=300, prefix=(), env=None, cwd=None
             raise
         print(f"mpirun's daemon on another host did not start; launching again:\n{failed.output[-1500:]}")
     return _run_once(cmd, full_env, timeout, cwd, stream, on_line)
+
+
+def _outside_any_mpi_job(env):
+    """``env`` less an enclosing MPI job's variables, where it holds them: a process started by mpirun,
+    or a child of one that called ``hvd.init()`` without a launcher (an MPI singleton, since Horovod is
+    built with MPI), has PMIx's and Open MPI's variables, and an mpirun started under them takes itself
+    for part of that job and exits 1 without a word. A new job is not part of it, so every ``PMIX_``,
+    ``ORTE_`` and ``OMPI_`` variable goes, Open MPI settings a user exported included (``env=`` passes
+    them on); ``run_job`` sets ``OMPI_ALLOW_RUN_AS_ROOT`` again."""
+    if "PMIX_NAMESPACE" not in env and "OMPI_MCA_ess" not in env:
+        return env
+    return {k: v for k, v in env.items() if not k.startswith(("PMIX_", "ORTE_", "OMPI_"))}
 
 
 def _run_once(cmd, full_env, timeout, cwd, stream, on_line):

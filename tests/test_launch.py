@@ -1,5 +1,6 @@
 """testbed/launch.py's command lines, which checkout a job's ranks import, and what a failed job shows."""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -54,3 +55,17 @@ def test_ranks_import_this_checkouts_packages(tmp_path, monkeypatch):
     # mpirun: the environment is run_job's for either launcher, and mpirun starts without horovodrun's own check
     out = run_job(1, [sys.executable, str(tmp_path / "worker.py")], backend="mpi", cwd=str(tmp_path), timeout=120)
     assert f"imported {os.path.join(ROOT, 'hvd_topk', '__init__.py')}" in out, out
+
+
+@pytest.mark.multirank
+def test_a_launch_from_a_child_of_an_mpi_singleton_runs(hvd):
+    """``hvd.init()`` without a launcher is an MPI singleton (Horovod is built with MPI): Open MPI puts its
+    variables (``PMIX_*``, ``OMPI_MCA_ess``, ...) in this process's C environment, where a child started
+    without ``env=`` finds them. An mpirun started under them took itself for part of that job and exited 1
+    without a word (the accuracy runs of bench/tests/test_run.py did so in a full run)."""
+    inherited = subprocess.run(["env"], capture_output=True, text=True).stdout    # no env=: what a child gets
+    assert "\nPMIX_NAMESPACE=" in "\n" + inherited, "this process holds no MPI singleton: the test cannot fail"
+    launch = ("import sys; from testbed.launch import run_job; "
+              "print(run_job(1, [sys.executable, '-c', 'print(\"the rank ran\")'], backend='mpi', timeout=60))")
+    proc = subprocess.run([sys.executable, "-c", launch], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "the rank ran" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -24,14 +24,10 @@ pytestmark = [pytest.mark.multirank, needs_netns]
 
 
 def bench_run(out, *argv, timeout=900):
-    """``python -m bench run ... --out out``; returns its summary.json.
-
-    Its environment is ``os.environ``, not the one this process holds now: the ``hvd`` fixture's
-    ``hvd.init()`` (an MPI singleton here) sets Open MPI's variables (``PMIX_*``, ``OMPI_MCA_ess``, ...)
-    in the C environment, which a child inherits unless given one, and an mpirun started under them
-    exits 1 without a word (the accuracy runs did so in a full run)."""
+    """``python -m bench run ... --out out``; returns its summary.json. (It inherits the ``hvd`` fixture's
+    MPI singleton variables, if that ran first; testbed/launch.py's ``run_job`` drops them.)"""
     proc = subprocess.run([sys.executable, "-m", "bench", "run", *argv, "--out", str(out)], cwd=ROOT,
-                          env=dict(os.environ), capture_output=True, text=True, timeout=timeout + 60)
+                          capture_output=True, text=True, timeout=timeout + 60)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
 
