@@ -191,7 +191,7 @@ def outside_set_refused(form, communication):
                timeout=150, fails=True, alone=True if form == "class" else OUTSIDE_SET)
 
 
-# in the full suite only, as the job above (each waits out the shutdown grace, 5 s in the suite; the
+# in the full suite only, as the job above (each waits out the shutdown grace, 3 s in the suite; the
 # class form's is a launch of its own)
 @pytest.mark.slow
 @pytest.mark.parametrize("refused", [outside_set_refused("positional", "split_reduce"),
