@@ -7,8 +7,9 @@
   and finish on 2.
 
 Both must finish without a hang, with parameters identical on every rank at every step (records of
-the same step and world size), for ``hvd_topk.DistributedOptimizer`` and for TopKEF in stock Horovod:
-each job trains both side by side in one elastic state (the worker's docstring says why).
+the same step and world size), for ``hvd_topk.DistributedOptimizer`` and for stock Horovod, each with
+TopKEF and with PowerSGD: each job trains the four side by side in one elastic state (the worker's
+docstring says why).
 """
 import collections
 import glob
@@ -27,7 +28,7 @@ from conftest import ROOT, WORKERS
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 JOB_TIMEOUT = 240
-DOORS = ("hvd_topk", "topkef")      # the worker's two copies of the model, one per front door
+DOORS = ("hvd_topk", "topkef", "hvd_topk_powersgd", "powersgd")   # the worker's copies: door x compressor
 
 
 def run_elastic(tmp_path, hosts, np, args, on_progress=lambda step, size: None):

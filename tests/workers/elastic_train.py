@@ -1,9 +1,10 @@
 """An elastic Horovod job (``horovodrun --min-np/--max-np --host-discovery-script``), written as
 Horovod's documentation writes one (``hvd.elastic.TorchState``, ``@hvd.elastic.run``, ``state.commit()``),
-with both front doors side by side: each rank trains two copies of one MLP, one through
-``hvd_topk.DistributedOptimizer`` and one through stock ``hvd.DistributedOptimizer`` with TopKEF, both in
-the one state that elastic Horovod commits, restores and syncs. One job tests both doors: an elastic
-job here costs about 30 s, mostly its workers' starts and Horovod's resets, not its steps.
+with both front doors and both compressors side by side: each rank trains four copies of one MLP,
+through ``hvd_topk.DistributedOptimizer`` and through stock ``hvd.DistributedOptimizer``, each with TopKEF
+and with PowerSGD (low rank), all in the one state that elastic Horovod commits, restores and syncs. One
+job tests them all: an elastic job here costs about 30 s, mostly its workers' starts and Horovod's
+resets, not its steps.
 
 Every process appends one JSON line per finished step to ``<out>/log.<pid>.jsonl``: the step, the world
 size, its rank and a digest of each door's parameters; rank 0 also writes ``<out>/progress`` ("step
@@ -22,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import hvd_topk
-from hvd_topk import TopKEF
+from hvd_topk import PowerSGD, TopKEF
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -43,16 +44,22 @@ def mlp():
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
 
 
-# Each door's own names: Horovod matches the ranks' collectives by name, and the two doors' collectives
-# of one step must not share one.
-models = {"hvd_topk": mlp(), "topkef": mlp()}
+# Each copy's own names: Horovod matches the ranks' collectives by name, and the copies' collectives of
+# one step must not share one. PowerSGD at rank 2 compresses the two weight matrices (the rest dense).
+models = {door: mlp() for door in ("hvd_topk", "topkef", "hvd_topk_powersgd", "powersgd")}
 named = {door: [(f"{door}.{n}", q) for n, q in model.named_parameters()] for door, model in models.items()}
-opts = {"hvd_topk": hvd_topk.DistributedOptimizer(
-            torch.optim.SGD(models["hvd_topk"].parameters(), lr=0.02, momentum=0.9),
-            named_parameters=named["hvd_topk"], compression=TopKEF(ratio=args.ratio, min_numel=16)),
+sgd = {door: torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9) for door, model in models.items()}
+opts = {"hvd_topk": hvd_topk.DistributedOptimizer(sgd["hvd_topk"], named_parameters=named["hvd_topk"],
+                                                  compression=TopKEF(ratio=args.ratio, min_numel=16)),
         "topkef": hvd.DistributedOptimizer(
-            torch.optim.SGD(models["topkef"].parameters(), lr=0.02, momentum=0.9), named_parameters=named["topkef"],
-            compression=TopKEF(ratio=args.ratio, min_numel=16, named_parameters=named["topkef"]))}
+            sgd["topkef"], named_parameters=named["topkef"],
+            compression=TopKEF(ratio=args.ratio, min_numel=16, named_parameters=named["topkef"])),
+        "hvd_topk_powersgd": hvd_topk.DistributedOptimizer(sgd["hvd_topk_powersgd"],
+                                                           named_parameters=named["hvd_topk_powersgd"],
+                                                           compression=PowerSGD(rank=2)),
+        "powersgd": hvd.DistributedOptimizer(
+            sgd["powersgd"], named_parameters=named["powersgd"],
+            compression=PowerSGD(rank=2, named_parameters=named["powersgd"]))}
 w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
 log = open(os.path.join(args.out, f"log.{os.getpid()}.jsonl"), "a")
 
@@ -86,5 +93,5 @@ def train(state):
             state.commit()
 
 
-train(hvd.elastic.TorchState(model=models["hvd_topk"], optimizer=opts["hvd_topk"], stock_model=models["topkef"],
-                             stock_optimizer=opts["topkef"], step=0))
+train(hvd.elastic.TorchState(step=0, **{f"{door}_model": model for door, model in models.items()},
+                             **{f"{door}_optimizer": opt for door, opt in opts.items()}))
