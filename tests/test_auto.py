@@ -324,6 +324,8 @@ def test_end_round_counts_from_the_second_round_and_ends_at_the_most_rounds():
     trial, kept = trials.end_round(open_trial, [0.1, 0.1], trial_rounds=3, max_rounds=5)
     assert trial.active == [0, 1] and kept == 0                                 # the most rounds: ends
     assert trials.summary(trial, kept).startswith("trial, 4 counted rounds: all artopk 102.5 ms/step")
+    assert trials.summary(trial, kept, [0.5, 0.25]).startswith(      # quality weighed: each plan's G too
+        "trial, 4 counted rounds: all artopk 102.5 ms/step at G 0.50, all allgather 105.0 ms/step at G 0.25;")
     early = trials.Trial(arms, [0, 1], [[0.1], [0.3]], rounds=1)
     assert trials.end_round(early, [0.1, 0.3], trial_rounds=3, max_rounds=5)[1] is None   # too few rounds
 

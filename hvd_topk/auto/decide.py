@@ -82,13 +82,14 @@ class CollectiveSteps:
         if round_over:
             agreed = self._agree_quality(sorted(self._numels(state)), trial.round_means, "hvd_topk.auto.trial") \
                 if trials.counts_round(trial) else None
-            scales = [1 / plan_gain(arm, self.quality) ** self.weight for arm in trial.arms] if self.quality else None
+            gains = [plan_gain(arm, self.quality) for arm in trial.arms] if self.quality else None
+            scales = None if gains is None else [1 / gain ** self.weight for gain in gains]
             trial, kept = trials.end_round(trial, agreed, self.trial_rounds, self.trial_max_rounds, self.trial_margin,
                                            scales)
             if kept is not None:
                 self.trial, self.plan = None, dict(trial.arms[kept])
                 self.calibration = None                    # measured against the plan now in effect
-                self._record(step, state.ratio, trials.summary(trial, kept))
+                self._record(step, state.ratio, trials.summary(trial, kept, gains))
                 self.step_times, self.comm_times = [], []
                 return
         self.trial, self.plan = trial, dict(trial.arms[trials.on_turn(trial)])

@@ -146,11 +146,13 @@ def _dense_tie(arms, means, active, best, margin):
     return best
 
 
-def summary(trial, kept):
-    """The history's line of a finished trial: each plan's mean step, and the plan kept."""
+def summary(trial, kept, gains=None):
+    """The history's line of a finished trial: each plan's mean step (and its G, ``gains`` per plan, where
+    quality weighed the comparison: the step alone does not say why a slower plan was kept), and the
+    plan kept."""
     means = [statistics.fmean(x) for x in trial.means]
     return f"trial, {trial.rounds - _WARMUP_ROUNDS} counted rounds: " + ", ".join(
-        f"{plan_name(arm)} {means[a] * 1e3:.1f} ms/step"
+        f"{plan_name(arm)} {means[a] * 1e3:.1f} ms/step" + ("" if gains is None else f" at G {gains[a]:.2f}")
         + ("" if a in trial.active else f" (out after {len(trial.means[a])})")
         for a, arm in enumerate(trial.arms)) + f"; kept {plan_name(trial.arms[kept])}"
 
