@@ -49,19 +49,39 @@ def test_results_page_is_up_to_date():
     assert results_page.main(["--check"]) == 0
 
 
-def test_every_row_links_a_study_page_and_a_results_folder_that_exist():
+def _tables():
+    """(the at-a-glance rows, every figure's rows) of docs/results.md's generated part."""
     with open(os.path.join(ROOT, "docs", "results.md")) as f:
         text = f.read()
-    table = text[text.index(BEGIN):text.index(END)]
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| measure")]
-    headlines = results_page.load_headlines()
-    assert len(rows) == sum(len(h["rows"]) for _, h in headlines) >= 15
+    glance, every = text[text.index(BEGIN):text.index(END)].split(f"### {results_page.EVERY_FIGURE}")
+    return [[line for line in part.splitlines() if line.startswith("| ") and not line.startswith(header)]
+            for part, header in ((glance, "| study"), (every, "| measure"))]
+
+
+def _assert_links_exist(rows, study=False):
     docs = os.path.join(ROOT, "docs")
     for row in rows:
         links = LINK.findall(row)
         assert any("/bench/results/" in link for link in links), row
+        assert not study or any(link.startswith("studies/") for link in links), row
         for link in links:
             assert os.path.exists(os.path.normpath(os.path.join(docs, link))), f"{link} in {row}"
+
+
+def test_every_row_links_a_study_page_and_a_results_folder_that_exist():
+    glance, every = _tables()
+    headlines = results_page.load_headlines()
+    assert len(every) == sum(len(h["rows"]) for _, h in headlines) >= 15
+    _assert_links_exist(every)
+    _assert_links_exist(glance, study=True)
+
+
+def test_the_page_opens_with_one_figure_per_study_on_one_screen():
+    glance, _ = _tables()
+    pages = {h["page"] for _, h in results_page.load_headlines() if h["page"] and h["rows"]}
+    linked = [re.search(r"\(studies/([^)]+)\)", row).group(1) for row in glance]
+    assert sorted(linked) == sorted(os.path.basename(p) for p in pages)       # each study once
+    assert len(glance) <= 30
 
 
 @pytest.mark.parametrize("page", STUDIES, ids=os.path.basename)
@@ -110,6 +130,10 @@ def test_check_fails_on_a_stale_page_and_passes_once_rewritten(tmp_path):
     # rows in the order the study page cites the folders; a pipe in a cell is escaped
     assert text.index("step time b") < text.index("step time a")
     assert "cnn \\| 2 ranks" in text and "[A study](studies/s.md)" in text and "[a](../bench/results/a/)" in text
+    # at a glance: the study once, with the first row of the folder it cites first
+    glance = text[:text.index(results_page.EVERY_FIGURE + "\n")]
+    assert glance.count("[A study](studies/s.md)") == 1
+    assert "step time b: 1.0x" in glance and "step time a" not in glance
     headline = root / "bench" / "results" / "a" / "headline.json"
     headline.write_text(headline.read_text().replace("1.0x", "2.0x"))
     assert results_page.main(["--check"], root=str(root)) == 1
