@@ -142,7 +142,7 @@ def render_table(headlines, root=ROOT):
     for name, headline in headlines:
         study = _study_link(headline["page"], root, page_dir)
         folder = f"[{name}]({os.path.relpath(os.path.join(root, RESULTS, name), page_dir)}/)"
-        if headline["page"] and headline["page"] not in shown and headline["rows"]:     # a study's first
+        if headline["page"] and headline["page"] not in shown:       # the first folder of a study (rows: never empty)
             shown.add(headline["page"])
             first = headline["rows"][0]
             glance.append(f"| {study} | {_cell(first['measure'])}: {_cell(first['value'])} | "
