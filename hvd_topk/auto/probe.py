@@ -1,14 +1,17 @@
 """Online probe of the cost model's alpha and beta over Horovod's public collectives.
 
-Every rank runs the same schedule: for each message size (4 B .. 4 MiB by default, largest first)
-one untimed warm-up call and ``repeats`` timed calls of ``hvd.allreduce_`` (or ``hvd.broadcast_``)
-on a float32 tensor; the median time per size is kept. The ranks agree on the medians (averaged
-with an allreduce, then rank 0's copy broadcast, so the bits are identical everywhere). If the
-largest size took less than 4x the smallest, the bandwidth term is drowned by latency and noise,
-so sizes x4 larger are added (up to ``max_bytes``), decided on the agreed times. A line
-``t = a + b·bytes`` is fitted by ordinary least squares, rank 0's fit is broadcast, and the line is
-read through the cost model of the collective used (``hvd_topk.auto.costmodel``, docs/auto.md; ``M`` the
-message bytes, ``N`` the ranks):
+Every rank runs the same schedule. First a pass of single calls, ascending (the smallest size, then x4
+from 64 KiB), finds the first size whose agreed time is long enough for the bandwidth term to dwarf the
+latency (50 ms and 16x the smallest's): larger sizes would only cost time (a 4 MiB allreduce takes
+0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there. Then for each size of the ladder
+(4 B .. 4 MiB by default, largest first) one untimed warm-up call and ``repeats`` timed calls of
+``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor; the median time per size is kept. The
+ranks agree on the medians (averaged with an allreduce, then rank 0's copy broadcast, so the bits are
+identical everywhere). If the largest size took less than 4x the smallest, the bandwidth term is
+drowned by latency and noise, so sizes x4 larger are added (up to ``max_bytes``), decided on the agreed
+times. A line ``t = a + b·bytes`` is fitted by ordinary least squares, rank 0's fit is broadcast, and
+the line is read through the cost model of the collective used (``hvd_topk.auto.costmodel``,
+docs/auto.md; ``M`` the message bytes, ``N`` the ranks):
 
 - ``allreduce`` (ring): t = 2(N−1)α + 2(N−1)/N·Mβ, so  α = a / (2(N−1)),  β = b·N / (2(N−1)).
 - ``broadcast`` (tree): t = α·log2 N + log2 N·Mβ,   so  α = a / log2 N,    β = b / log2 N.
@@ -43,7 +46,7 @@ from ..core.validate import check_choice, check_int, check_number
 from .plans import HostLink
 
 __all__ = ["DEFAULT_SIZES", "DEFAULT_REPEATS", "DEFAULT_MAX_BYTES", "ProbeResult", "Probe",
-           "fit_line", "to_alpha_beta", "probe_hosts"]
+           "fit_line", "to_alpha_beta", "pass_sizes", "probe_hosts"]
 
 # 4 B .. 4 MiB in steps of x16: six sizes, 0.1-0.4 s in all on an unlimited loopback here (2 busy
 # cores), the x4 extension to 16 MiB included when it happens.
@@ -63,6 +66,12 @@ _MIN_SIGNAL = 4.0
 _EXTENSION = 4
 # Untimed calls before the timed ones of a size: the first call of a name negotiates and allocates.
 _WARMUP_CALLS = 1
+# The pass stops the ladder at the first size whose one call took this long, and this many times the
+# smallest size's: its time is then mostly bandwidth (alpha is about 1 ms with Horovod's default cycle).
+_ENOUGH_S = 0.05
+_ENOUGH_OVER_SMALLEST = 16
+# The pass's sizes above the smallest: x4 from here (smaller messages are latency on any real link).
+_PASS_FROM = 64 << 10
 
 
 class ProbeResult(NamedTuple):
@@ -142,9 +151,9 @@ class Probe:
 
     Args:
         sizes: message bytes to probe, multiples of 4 (float32 elements), at least two distinct ones
-            (default ``DEFAULT_SIZES``, 4 B .. 4 MiB). They are probed largest first; on slow links
-            keep the largest well above the link's burst, and mind the time: each size is sent
-            ``repeats + 1`` times.
+            (default ``DEFAULT_SIZES``, 4 B .. 4 MiB). Those above the first size of the pass that took
+            long enough (module docstring) are left out; the rest are probed largest first. On slow
+            links keep the largest well above the link's burst.
         repeats: timed calls per size, int >= 1 (default 5); the median is kept.
         max_bytes: int (multiple of 4). When the largest size takes less than 4x the smallest, the
             bandwidth term is lost in the latency and its noise (fast links, busy hosts), so sizes x4
@@ -195,10 +204,11 @@ class Probe:
             return self.result
         # One small call lines the ranks up, so that no rank times the others' late arrival.
         hvd.allreduce_(torch.zeros(1), op=hvd.Sum, name=f"{self.name}.align")
+        top = self._enough_size()
+        sizes = [s for s in self.sizes if s < top] + [top]
         # Largest first: a token bucket's burst allowance (tc tbf, cloud NIC credits) is then spent in
         # the first untimed warm-up call instead of flattering the timed ones.
-        medians = {size: self._median_s(size) for size in reversed(self.sizes)}
-        sizes = list(self.sizes)
+        medians = {size: self._median_s(size) for size in reversed(sizes)}
         times = self._agree([medians[s] for s in sizes], "times")
         # The extension is decided on agreed times, so every rank takes the same schedule.
         while times[-1] < _MIN_SIGNAL * times[0] and sizes[-1] * _EXTENSION <= self.max_bytes:
@@ -210,19 +220,34 @@ class Probe:
         self.result = ProbeResult(alpha, beta, a, b, self.collective, n, tuple(sizes), tuple(times), wall)
         return self.result
 
+    def _enough_size(self):
+        """The first size of the pass (``pass_sizes``, one call each, ascending) whose agreed time reaches
+        ``_ENOUGH_S`` and ``_ENOUGH_OVER_SMALLEST`` times the smallest's; the ladder's largest if none does.
+        (On a link with a burst allowance the pass's first calls are flattered, so it stops a size late at
+        worst: the cost is time, not accuracy.)"""
+        smallest, sizes = None, pass_sizes(self.sizes)
+        self._call_s(sizes[0])              # a name's first call negotiates: the smallest's time is its second
+        for size in sizes:
+            took = self._agree([self._call_s(size)], f"pass.{size}")[0]
+            smallest = took if smallest is None else smallest
+            if took >= max(_ENOUGH_S, _ENOUGH_OVER_SMALLEST * smallest):
+                return size
+        return self.sizes[-1]
+
     def _median_s(self, size):
         """Median seconds of ``repeats`` calls of ``size`` bytes, after the untimed warm-up call."""
+        times = [self._call_s(size) for _ in range(_WARMUP_CALLS + self.repeats)]
+        return statistics.median(times[_WARMUP_CALLS:])
+
+    def _call_s(self, size):
+        """Seconds of one call of ``size`` bytes."""
         buf = torch.zeros(size // _ELEMENT_BYTES, dtype=torch.float32)
-        times = []
-        for i in range(_WARMUP_CALLS + self.repeats):
-            t0 = time.perf_counter()
-            if self.collective == "allreduce":      # one name per size: Horovod's cache serves repeats
-                hvd.allreduce_(buf, op=hvd.Sum, name=f"{self.name}.allreduce.{size}", process_set=self.process_set)
-            else:
-                hvd.broadcast_(buf, root_rank=0, name=f"{self.name}.broadcast.{size}")
-            if i >= _WARMUP_CALLS:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        t0 = time.perf_counter()
+        if self.collective == "allreduce":      # one name per size: Horovod's cache serves repeats
+            hvd.allreduce_(buf, op=hvd.Sum, name=f"{self.name}.allreduce.{size}", process_set=self.process_set)
+        else:
+            hvd.broadcast_(buf, root_rank=0, name=f"{self.name}.broadcast.{size}")
+        return time.perf_counter() - t0
 
     def _agree(self, values, key, average=True):
         """``values`` averaged over the ranks (or rank 0's): identical bits everywhere."""
@@ -236,6 +261,18 @@ def probe_hosts(sets, repeats=DEFAULT_REPEATS):
     host = Probe(repeats=repeats, name="hvd_topk.probe.host", process_set=sets.host).run()
     cross = Probe(repeats=repeats, name="hvd_topk.probe.cross", process_set=sets.cross).run()
     return HostLink(sets.hosts, sets.per_host, host.alpha, host.beta, cross.alpha, cross.beta)
+
+
+def pass_sizes(ladder):
+    """The sizes the pass tries, ascending: the ladder's smallest, x4 steps from 64 KiB, its largest.
+
+    Example:
+        >>> pass_sizes(DEFAULT_SIZES)
+        [4, 65536, 262144, 1048576, 4194304]
+    """
+    low, high = min(ladder), max(ladder)
+    steps = [_PASS_FROM * _EXTENSION ** j for j in range(high.bit_length())]
+    return [low] + [s for s in steps if low < s < high] + [high]
 
 
 def _is_msg_bytes(value):
