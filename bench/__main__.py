@@ -68,7 +68,7 @@ def parser():
     r.add_argument("--steps", type=int, default=200, help="steps per arm: --warmup alone, the rest in turns (auto: as many in turns after its warm-up)")
     r.add_argument("--warmup", type=int, default=3, help="steps of each arm alone first (PowerSGD: > 2)")
     r.add_argument("--max-warmup", type=int, default=600,
-                   help="hvd_topk auto: steps allowed for its probe and trial (at most 5 plans x 4 steps x 21 rounds)")
+                   help="hvd_topk auto: steps allowed for its probe and trial (at most 5 plans x 4 steps x 10 rounds)")
     r.add_argument("--turn", type=int, default=5, help="steps of one arm in a row")
     r.add_argument("--eval-every", type=int, default=10, help="evaluate after every N-th step of an arm")
     r.add_argument("--targets", type=numbers(float), default=[],

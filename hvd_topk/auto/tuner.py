@@ -96,7 +96,7 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
     """
 
     def __init__(self, auto_transport, ratios, weight=DEFAULT_WEIGHT, every=50, trial_steps=4, trial_rounds=5,
-                 threshold=0.5, probe=None, trial_margin=TRIAL_MARGIN, trial_max_rounds=21):
+                 threshold=0.5, probe=None, trial_margin=TRIAL_MARGIN, trial_max_rounds=10):
         for name, value, low in (("trial_steps", trial_steps, 2), ("trial_rounds", trial_rounds, 3),
                                  ("trial_max_rounds", trial_max_rounds, trial_rounds), ("every", every, 2)):
             check_int(name, value, low=low)
