@@ -112,6 +112,7 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
         self.hosts = None                 # HostSets of a job across equal hosts: hierarchical is a candidate
         self.lowrank = None               # the optimizer's LowRank, where low rank is a candidate
         self.first_step = 0               # the step whose end runs the first probe (the last dense step)
+        self.start = "dense"              # the transport before the first decision (the optimizer's: see mode)
         # agreed measurements
         self.costs = None                 # Costs, after the first probe
         self.calibration = None           # measured / modelled communication at the first check after a probe
@@ -133,7 +134,8 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
         """Transport of ``name`` this step (``fixed`` when transports are not chosen automatically)."""
         if not self.auto_transport:
             return fixed
-        return self.plan.get(name, "dense")      # before the first decision: dense, exact
+        # before the first decision the compression's own: dense would send the whole model once
+        return self.start if self.costs is None else self.plan.get(name, "dense")
 
     def figures(self):
         """``opt.stats()``'s share: the probed costs; with communication='auto', tensors per transport."""
