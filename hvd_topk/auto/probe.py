@@ -1,7 +1,7 @@
 """Online probe of the cost model's alpha and beta over Horovod's public collectives.
 
 Every rank runs the same schedule. First a pass of single calls, ascending (the smallest size, then x4
-from 64 KiB), finds the first size whose agreed time is long enough for the bandwidth term to dwarf the
+from 1 MiB), finds the first size whose agreed time is long enough for the bandwidth term to dwarf the
 latency (50 ms and 16x the smallest's): larger sizes would only cost time (a 4 MiB allreduce takes
 0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there. Then for each size of the ladder
 (4 B .. 4 MiB by default, largest first) one untimed warm-up call and ``repeats`` timed calls of
@@ -70,8 +70,10 @@ _WARMUP_CALLS = 1
 # smallest size's: its time is then mostly bandwidth (alpha is about 1 ms with Horovod's default cycle).
 _ENOUGH_S = 0.05
 _ENOUGH_OVER_SMALLEST = 16
-# The pass's sizes above the smallest: x4 from here (smaller messages are latency on any real link).
-_PASS_FROM = 64 << 10
+# The pass's sizes above the smallest: x4 from here. Not smaller: one call stalled by the host or by a
+# retransmission timeout (200 ms) would then stop the ladder among latency-bound sizes, whose line has
+# no slope (the likely cause of a beta of 0 in one run across emulated hosts).
+_PASS_FROM = 1 << 20
 
 
 class ProbeResult(NamedTuple):
@@ -264,11 +266,11 @@ def probe_hosts(sets, repeats=DEFAULT_REPEATS):
 
 
 def pass_sizes(ladder):
-    """The sizes the pass tries, ascending: the ladder's smallest, x4 steps from 64 KiB, its largest.
+    """The sizes the pass tries, ascending: the ladder's smallest, x4 steps from 1 MiB, its largest.
 
     Example:
         >>> pass_sizes(DEFAULT_SIZES)
-        [4, 65536, 262144, 1048576, 4194304]
+        [4, 1048576, 4194304]
     """
     low, high = min(ladder), max(ladder)
     steps = [_PASS_FROM * _EXTENSION ** j for j in range(high.bit_length())]
