@@ -15,6 +15,7 @@ from horovod.torch.optimizer import _DistributedOptimizer
 
 from .arguments import check_lowrank_use, check_optimizer, topk_only_settings
 from .auto import DEFAULT_WEIGHT, tuner_for
+from .auto.quality import QUALITY_WEIGHT
 from .compression import TopKEF
 from .settings import PowerSGDSettings, TopKSettings, with_old_keywords, with_value_dtype
 from .step import elastic
@@ -137,6 +138,8 @@ def _build(config, kinds, settings, *, shapes, tuner, reduction, process_set):
         # (ratio 1.0 means dense Horovod, which low rank is not)
         if config.communication == "auto" and not topk_only_settings(settings) and topk.ratio < 1.0:
             tuner.lowrank = stack.transports["lowrank"]
+            if settings.adaptive_weight is None:     # the adaptive ratio is off here: w is the quality's only
+                tuner.weight = QUALITY_WEIGHT
     units = StepUnits(schedule=DensitySchedule(topk.ratio, settings.dense_steps, settings.warmup_steps,
                                                settings.warmup_epochs),
                       tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(), leaders=stack.leaders,

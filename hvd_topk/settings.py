@@ -122,7 +122,8 @@ class OptimizerSettings:
             (float16 here means ``values='fp16'``, bfloat16 ``'bf16'``, float32 ``'fp32'``); artopk's and the
             dense allreduces' values still go in this dtype. None: the defaults.
         adaptive_ratio: None/False, True or (low, high): the ratio moves among candidates (``hvd_topk.auto``).
-        adaptive_weight: exponent of the gain in the adaptive ratio's objective, >= 0; None: 0.3 (measured).
+        adaptive_weight: exponent of the gain in the adaptive ratio's objective, and of the quality where auto
+            weighs low rank against Top-K, >= 0; None: 0.3 and 1.0 (measured: docs/auto.md).
         auto_every: steps between the automatic checks, int >= 2.
         pin: {parameter name: transport}: these tensors always go with that transport (``'dense'``,
             ``'artopk'``, ``'split_reduce'``, ``'allgather'``, ``'lowrank'``), whatever ``communication``

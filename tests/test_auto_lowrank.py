@@ -134,6 +134,12 @@ def test_low_rank_is_a_candidate_unless_top_k_only_settings_or_ratio_one(hvd):
     assert tuner.first_step == 4 and not tuner.samples_quality(3) and tuner.samples_quality(4)
 
 
+def test_quality_weight_is_one_unless_the_user_sets_adaptive_weight(hvd):
+    assert _optimizer()._hvd_topk.tuner.weight == 1.0
+    assert _optimizer(adaptive_weight=0.3)._hvd_topk.tuner.weight == 0.3
+    assert _optimizer(adaptive_ratio=(0.01, 0.1))._hvd_topk.tuner.weight == 0.3    # the adaptive ratio's
+
+
 MIX = job(2, "auto_mix.py", netns="100mbit", timeout=300)
 
 

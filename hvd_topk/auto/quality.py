@@ -14,17 +14,23 @@ turn of the trial (a step not timed), and the ranks agree on their sums (``quali
 
 A plan's G is energy-weighted over its tensors (``plan_gain``), so the tensors that carry the gradient
 count most; per tensor and per plan the choice minimises J = seconds / G^w (``objective``, w the
-optimizer's ``adaptive_weight``, 0.3 by default): the time to send a unit of gradient energy, with the
-gain discounted because error feedback delays what is not sent rather than losing it.
+optimizer's ``adaptive_weight`` where it is set, else ``QUALITY_WEIGHT``): the time to send a unit of
+gradient energy, with the gain discounted because error feedback delays what is not sent rather than
+losing it.
 """
 import math
 
-__all__ = ["TOPK", "FIELDS", "kept_fraction", "plan_gain", "objective", "quality_row", "quality_from_row",
+__all__ = ["TOPK", "FIELDS", "QUALITY_WEIGHT", "kept_fraction", "plan_gain", "objective", "quality_row", "quality_from_row",
            "add_sample"]
 
 TOPK = ("artopk", "split_reduce", "allgather", "hierarchical")    # the transports that send a top-k
 FIELDS = ("energy", "topk", "lowrank")       # per tensor: ||acc||^2, and what Top-K and low rank send of it
 _FLOOR = 1e-12                               # a G of 0 would make J infinite: every choice then ties
+# w where Top-K's G is weighed against low rank's. Not the adaptive ratio's 0.3 (measured between Top-K's
+# ratios): at 0.3 auto kept Top-K plans that then needed 1.5-2.9x the steps of low rank on the MLP and the
+# wide CNN; at 1.0 it kept low rank there after the shortest trial and reached the target in 0.75-1.26x
+# the fastest PowerSGD hook's time (docs/studies/2026-11-auto-against-peers.md, "The quality weight").
+QUALITY_WEIGHT = 1.0
 
 
 def kept_fraction(quality, name, transport):
