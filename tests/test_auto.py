@@ -546,6 +546,5 @@ def test_three_ranks_with_skewed_clock_take_identical_decisions(results):
 def test_first_step_goes_with_the_compressions_own_transport(results):
     """Before its first decision auto sends with the compression's transport (split_reduce for TopKEF()),
     not every element: a dense first step would cost a whole model's allreduce on a slow link."""
-    first, later = results(SKEWED_CLOCK)[0]["stats"][:2]
-    assert first["sparse_tensors"] == later["sparse_tensors"] > 0
-    assert first["split_kept"] > 0 and first["density"] == 0.01
+    first = results(SKEWED_CLOCK)[0]["stats"][0]        # (later steps follow the plans auto chose)
+    assert first["sparse_tensors"] > 0 and first["split_kept"] > 0 and first["density"] == 0.01

@@ -20,8 +20,8 @@ losing it.
 """
 import math
 
-__all__ = ["TOPK", "FIELDS", "QUALITY_WEIGHT", "kept_fraction", "plan_gain", "objective", "quality_row", "quality_from_row",
-           "add_sample"]
+__all__ = ["TOPK", "FIELDS", "QUALITY_WEIGHT", "kept_fraction", "plan_gain", "objective", "quality_row",
+           "quality_from_row", "add_sample"]
 
 TOPK = ("artopk", "split_reduce", "allgather", "hierarchical")    # the transports that send a top-k
 FIELDS = ("energy", "topk", "lowrank")       # per tensor: ||acc||^2, and what Top-K and low rank send of it
