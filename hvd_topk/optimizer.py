@@ -94,7 +94,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
                     backward_passes_per_step=backward_passes_per_step, op=op,
                     gradient_predivide_factor=gradient_predivide_factor, groups=groups, process_set=process_set,
                     grad_scaler=grad_scaler)
-    weight = DEFAULT_WEIGHT if settings.adaptive_weight is None else settings.adaptive_weight
+    # w of the adaptive ratio (0.3), or, where auto weighs low rank against Top-K (the ratio is then fixed),
+    # of the quality (1.0); the user's adaptive_weight sets either
+    weight = settings.adaptive_weight if settings.adaptive_weight is not None else \
+        QUALITY_WEIGHT if _offers_lowrank(communication, settings, topk) else DEFAULT_WEIGHT
     tuner = tuner_for(communication, settings.adaptive_ratio, topk.ratio, weight, settings.auto_every, process_set)
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
@@ -136,10 +139,8 @@ def _build(config, kinds, settings, *, shapes, tuner, reduction, process_set):
         tuner.start = chosen.communication if chosen.communication in stack.transports else "dense"
         # low rank is one more candidate, unless Top-K-only settings are on or Top-K sends everything
         # (ratio 1.0 means dense Horovod, which low rank is not)
-        if config.communication == "auto" and not topk_only_settings(settings) and topk.ratio < 1.0:
+        if _offers_lowrank(config.communication, settings, topk):
             tuner.lowrank = stack.transports["lowrank"]
-            if settings.adaptive_weight is None:     # the adaptive ratio is off here: w is the quality's only
-                tuner.weight = QUALITY_WEIGHT
     units = StepUnits(schedule=DensitySchedule(topk.ratio, settings.dense_steps, settings.warmup_steps,
                                                settings.warmup_epochs),
                       tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(), leaders=stack.leaders,
@@ -151,3 +152,9 @@ def _build(config, kinds, settings, *, shapes, tuner, reduction, process_set):
 
 
 _build.instances = 0        # creation counter of the optimizers, for their collectives' names
+
+
+def _offers_lowrank(communication, settings, topk):
+    """Whether 'auto' chooses low rank too: not beside Top-K-only settings, nor at ratio 1.0 (which must
+    stay dense Horovod)."""
+    return communication == "auto" and not topk_only_settings(settings) and topk.ratio < 1.0

@@ -1,11 +1,11 @@
 """Online probe of the cost model's alpha and beta over Horovod's public collectives.
 
 Every rank runs the same schedule. First a pass of single calls, ascending (the smallest size, then x4
-from 1 MiB), finds the first size whose agreed time is long enough for the bandwidth term to dwarf the
-latency (50 ms and 16x the smallest's): larger sizes would only cost time (a 4 MiB allreduce takes
-0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there. Then for each size of the ladder
-(4 B .. 4 MiB by default, largest first) one untimed warm-up call and ``repeats`` timed calls of
-``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor; the median time per size is kept. The
+from 1 MiB, below the largest), finds the first size whose agreed time is long enough for the bandwidth
+term to dwarf the latency (50 ms and 16x the smallest's): larger sizes would only cost time (a 4 MiB
+allreduce takes 0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there. Then for each size of
+the ladder (4 B .. 4 MiB by default, largest first) one untimed warm-up call and ``repeats`` timed calls
+of ``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor; the median time per size is kept. The
 ranks agree on the medians (averaged with an allreduce, then rank 0's copy broadcast, so the bits are
 identical everywhere). If the largest size took less than 4x the smallest, the bandwidth term is
 drowned by latency and noise, so sizes x4 larger are added (up to ``max_bytes``), decided on the agreed
@@ -227,12 +227,15 @@ class Probe:
         ``_ENOUGH_S`` and ``_ENOUGH_OVER_SMALLEST`` times the smallest's; the ladder's largest if none does.
         (On a link with a burst allowance the pass's first calls are flattered, so it stops a size late at
         worst: the cost is time, not accuracy.)"""
-        smallest, sizes = None, pass_sizes(self.sizes)
-        self._call_s(sizes[0])              # a name's first call negotiates: the smallest's time is its second
+        sizes = pass_sizes(self.sizes)
+        if not sizes:
+            return self.sizes[-1]
+        low = self.sizes[0]
+        self._call_s(low)                   # a name's first call negotiates: the smallest's time is its second
+        smallest = self._agree([self._call_s(low)], f"pass.{low}")[0]
+        enough = max(_ENOUGH_S, _ENOUGH_OVER_SMALLEST * smallest)
         for size in sizes:
-            took = self._agree([self._call_s(size)], f"pass.{size}")[0]
-            smallest = took if smallest is None else smallest
-            if took >= max(_ENOUGH_S, _ENOUGH_OVER_SMALLEST * smallest):
+            if self._agree([self._call_s(size)], f"pass.{size}")[0] >= enough:
                 return size
         return self.sizes[-1]
 
@@ -266,15 +269,20 @@ def probe_hosts(sets, repeats=DEFAULT_REPEATS):
 
 
 def pass_sizes(ladder):
-    """The sizes the pass tries, ascending: the ladder's smallest, x4 steps from 1 MiB, its largest.
+    """The sizes the pass tries after the ladder's smallest, ascending: x4 steps from 1 MiB, below the
+    ladder's largest (the ladder times that one anyway: the pass ending without a stop means it).
 
     Example:
-        >>> pass_sizes(DEFAULT_SIZES)
-        [4, 1048576, 4194304]
+        >>> pass_sizes(DEFAULT_SIZES), pass_sizes((4, 8))
+        ([1048576], [])
     """
     low, high = min(ladder), max(ladder)
-    steps = [_PASS_FROM * _EXTENSION ** j for j in range(high.bit_length())]
-    return [low] + [s for s in steps if low < s < high] + [high]
+    sizes, size = [], _PASS_FROM
+    while size < high:
+        if size > low:
+            sizes.append(size)
+        size *= _EXTENSION
+    return sizes
 
 
 def _is_msg_bytes(value):
