@@ -15,6 +15,7 @@ from horovod.torch.mpi_ops import Average, Sum
 
 from .core.validate import check_choice, check_int, check_number
 from .transports.build import OWN_COLLECTIVES
+from .transports.lowrank_wire import VALUES as LOWRANK_VALUES      # PowerSGDSettings.values
 
 __all__ = ["check_topk_settings", "check_lowrank_settings", "check_lowrank_use", "topk_only_settings",
            "check_optimizer_settings", "check_hierarchical", "check_stock_selection", "check_optimizer",
@@ -54,7 +55,8 @@ def check_lowrank_settings(settings):
                                                  low_open=True, what="(torch's min_compression_rate)"),
             "communication": check_choice("communication", settings.communication, LOWRANK_COMMUNICATIONS),
             "seed": check_int("seed", settings.seed),
-            "epsilon": check_number("epsilon", settings.epsilon, low=0)}
+            "epsilon": check_number("epsilon", settings.epsilon, low=0),
+            "values": check_choice("values", settings.values, LOWRANK_VALUES)}
 
 
 def check_lowrank_use(settings, communication, compression_kind):

@@ -65,8 +65,8 @@ class PowerSGD(CompressorDoor):
         communication: ``'lowrank'`` (one allreduce of every P, one of every Q) or ``'hierarchical'``
             (the sums taken inside each host first; only each host's sum crosses between hosts).
         min_compression_rate: compress a tensor only if it shrinks more than this, > 0 (torch's 2).
-        seed: the seed of every tensor's first Q, >= 0.
-        epsilon: added to each column's norm in the orthogonalization, >= 0.
+        seed, epsilon: the seed of every tensor's first Q (>= 0); added to each column's norm (>= 0).
+        values: ``'fp32'`` (as torch's hook) or ``'fp16'`` (a float32 gradient's P's and Q's in 16 bits).
 
     Example:
         >>> import horovod.torch as hvd, torch
@@ -84,8 +84,8 @@ class PowerSGD(CompressorDoor):
     settings = PowerSGDSettings()    # the class's own: what ``compression=PowerSGD`` means
 
     def __init__(self, rank=4, named_parameters=None, process_set=mpi_ops.global_process_set,
-                 communication="lowrank", min_compression_rate=2.0, seed=0, epsilon=0.0):
-        settings = PowerSGDSettings(rank, min_compression_rate, communication, seed, epsilon)
+                 communication="lowrank", min_compression_rate=2.0, seed=0, epsilon=0.0, values="fp32"):
+        settings = PowerSGDSettings(rank, min_compression_rate, communication, seed, epsilon, values)
         check_hierarchical(settings.communication, process_set)
         super().__init__(settings, named_parameters, process_set)
         self.hint = _MISMATCH_HINT if named_parameters is None else ""

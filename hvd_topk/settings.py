@@ -87,6 +87,11 @@ class PowerSGDSettings(CompressorSettings):
         seed: the seed of every tensor's first Q, int >= 0 (identical on all ranks).
         epsilon: added to each column's norm in the orthogonalization, >= 0 (torch's
             ``orthogonalization_epsilon``).
+        values: how a float32 gradient's P's and Q's go on the wire: ``'fp32'`` (default, as torch's hook
+            sends them) or ``'fp16'`` (half the bytes, with a power-of-two scale per tensor from the last
+            step's sums, and a sum that overflowed sent again in float32; one more allreduce per step
+            where some tensors go dense). Error feedback is exact either way
+            (``hvd_topk.transports.lowrank_wire``).
 
     Example:
         >>> PowerSGDSettings(rank=2).kind
@@ -98,6 +103,7 @@ class PowerSGDSettings(CompressorSettings):
     communication: str = "lowrank"
     seed: int = 0
     epsilon: float = 0.0
+    values: str = "fp32"
 
     def __post_init__(self):
         for name, value in check_lowrank_settings(self).items():

@@ -43,7 +43,8 @@ LAYERS = [
          ["transports/hierarchical.py", "transports/host_sets.py"]),
         ("collectives.py", "grouping, flags,\nagreement; fused.py:\none collective per\nbucket and phase",
          ["transports/collectives.py", "transports/fused.py"]),
-        ("lowrank.py", "PowerSGD's\nlow-rank P, Q", ["transports/lowrank.py"]),
+        ("lowrank.py", "PowerSGD's\nlow-rank P, Q:\nlowrank_wire.py", ["transports/lowrank.py",
+                                                                     "transports/lowrank_wire.py"]),
         ("build.py", "the one factory:\nsettings ->\ntransports", ["transports/build.py"]),
     ]),
     ("core/", [

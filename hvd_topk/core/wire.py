@@ -5,7 +5,7 @@ a change to a transport's message changes its price too.
 """
 __all__ = ["INDEX_BYTES", "HIST_BINS", "HIST_BYTES", "CODEC_BLOCK", "CODEC_HEADER_BYTES", "CODEC_OFFSET_BYTES",
            "CODEC_VALUE_BYTES", "CODEC_ENTRY_BYTES", "FRAME_BYTES",
-           "FLAG_BYTES"]
+           "FLAG_BYTES", "LOWRANK_VALUE_BYTES"]
 
 INDEX_BYTES = 4        # the sparse transports send int32 indices: half the bytes of int64
 HIST_BINS = 128        # split_reduce's magnitude histogram: 32 octaves below the largest possible sum
@@ -25,3 +25,5 @@ CODEC_ENTRY_BYTES = {kind: size + CODEC_OFFSET_BYTES for kind, size in CODEC_VAL
 # |value| sent, or inf)
 FRAME_BYTES = 8
 FLAG_BYTES = 4
+# Low rank's P and Q values of a float32 gradient, by PowerSGDSettings.values (hvd_topk.transports.lowrank_wire)
+LOWRANK_VALUE_BYTES = {"fp16": 2, "fp32": 4}

@@ -128,7 +128,7 @@ def _topk_stack(settings, *, tag, key_index, process_set, communication, reducti
 def _lowrank(settings, name, collectives, average, shapes, hosts=None):
     """A ``LowRank`` of ``PowerSGDSettings``."""
     return LowRank(collectives, average, settings.rank, shapes, name, settings.seed, settings.epsilon,
-                   settings.min_compression_rate, hosts)
+                   settings.min_compression_rate, hosts, settings.values)
 
 
 def _lowrank_stack(settings, *, tag, key_index, process_set, communication, reduction, alongside=None, shapes=None,

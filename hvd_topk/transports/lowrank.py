@@ -22,7 +22,10 @@ Q's out the same way.
 
 Error feedback is the transport's (``Outcome.residual``, base.py invariant 2): over the ranks, the new
 residuals plus the summed aggregate equal the accumulators. A dense key sends all (residual flushed).
-Bytes per compressed key: r(n + m) values and one flag; a dense key: n*m values and one flag.
+Bytes per compressed key: r(n + m) values and one flag; a dense key: n*m values and one flag. With
+``values='fp16'`` a float32 key's P and Q go in 16 bits, scaled per key and phase by a
+power of two from the last step's sums (``hvd_topk.transports.lowrank_wire``: 2 bytes a value, a
+float16 sum that overflowed summed again in float32); dense keys go in their own dtype.
 
 Across hosts (``hosts``, ``communication='hierarchical'``): the same step, with each phase's sum taken
 in three collectives instead of one (``sum_across_hosts``): a reduce-scatter inside each host (exact,
@@ -35,16 +38,17 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
-from horovod.torch import mpi_ops
 
 from .base import Outcome, Started
-from .collectives import finite_flag, flag_raised, wait
+from .collectives import finite_flag, flag_raised
+from .lowrank_wire import VALUES, largest, scale_for, sum_phase
 from ..core.lowrank import (compressed_rank, decompress, finish_power_iteration, matrix_shape, next_warm_start,
                             start_power_iteration, warm_start, MIN_COMPRESSION_RATE)
 from ..core.sparsify import sq_norm_finite
-from ..core.validate import check_int, check_number
+from ..core.validate import check_choice, check_int, check_number
+from ..core.wire import LOWRANK_VALUE_BYTES
 
-__all__ = ["LowRank", "sum_end_to_end", "sum_across_hosts"]
+__all__ = ["LowRank"]
 
 
 def _all_finite(*tensors):
@@ -65,6 +69,16 @@ def _shape_of(shapes, key, acc, grad):
     return shape
 
 
+def _wire_bytes(matrix, r, acc, p_scale, q_scale):
+    """A key's bytes on the wire: r(n + m) values and its flag (a scaled phase's at 2 bytes each), or
+    all of ``acc`` and the flag (dense)."""
+    size = acc.element_size()
+    if not r:
+        return (acc.numel() + 1) * size
+    p_bytes, q_bytes = (LOWRANK_VALUE_BYTES["fp16"] if scale else size for scale in (p_scale, q_scale))
+    return (r * matrix.shape[0] + 1) * p_bytes + r * matrix.shape[1] * q_bytes
+
+
 class _Work(NamedTuple):
     """A key started this step, until the step's first ``finish``."""
     acc: torch.Tensor                     # this rank's flat accumulator
@@ -72,63 +86,34 @@ class _Work(NamedTuple):
     q_old: Optional[torch.Tensor]         # the warm start it began from (kept if the new Q is unusable)
     payload: torch.Tensor                 # what the first allreduce sums: P, or the whole acc
     flag: torch.Tensor                    # finite_flag
+    p_scale: Optional[float] = None       # P's and Q's float16 scales (lowrank_wire); None: own dtype
+    q_scale: Optional[float] = None
 
 
-def sum_end_to_end(tensors, name, process_set):
-    """(the ranks' sums of ``tensors``, [(collective name, numel)]): one in-place allreduce per dtype
-    of the tensors laid end to end in their order, all started before any is waited for."""
-    by_dtype = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    handles, launches = [], []
-    for dtype in sorted(by_dtype, key=str):
-        flat = torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]])
-        launches.append((f"{name}.{str(dtype).removeprefix('torch.')}", flat.numel()))
-        handles.append((by_dtype[dtype], mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=launches[-1][0],
-                                                                  process_set=process_set)))
-    return _split_sums(tensors, [(indices, wait(handle)) for indices, handle in handles]), launches
+class _KeptState:
+    """``LowRank``'s state that outlives a step: the warm-start Q's and the last sums' largest values
+    (the next step's wire scales), identical on every rank; dropped on an elastic reset, saved whole."""
+
+    def forget(self):
+        """Drop what the old set of ranks shared: work in flight, outcomes and the warm-start Q's (a
+        joining rank has none; every rank starts again from the seeded Q)."""
+        self.inflight, self.outcomes, self.q, self.last_largest = {}, {}, {}, {}
+
+    def state_dict(self):
+        """The warm-start Q's and the last sums' largest values (identical on every rank), and the rank
+        they were made at."""
+        return {"rank": self.rank, "q": {key: q.detach().clone() for key, q in self.q.items()},
+                "largest": dict(self.last_largest)}
+
+    def load_state_dict(self, state):
+        """Continue from ``state_dict()``'s Q's: the steps after are bit for bit those of the saved job."""
+        if state["rank"] != self.rank:
+            raise ValueError(f"rank must be the saved state's {state['rank']} to load it, got {self.rank}")
+        self.inflight, self.outcomes, self.q = {}, {}, {key: q.clone() for key, q in state["q"].items()}
+        self.last_largest = dict(state.get("largest", {}))        # older states: the first step in float32
 
 
-def _split_sums(tensors, buffers):
-    """The per-tensor views of the summed buffers: [(indices of the tensors laid end to end, their sum)]."""
-    sums = [None] * len(tensors)
-    for indices, total in buffers:
-        for i, part in zip(indices, torch.split(total, [tensors[i].numel() for i in indices])):
-            sums[i] = part.view(tensors[i].shape)
-    return sums
-
-
-def sum_across_hosts(tensors, name, hosts):
-    """``sum_end_to_end`` over ``hosts`` (``host_sets.HostSets``): per dtype, the buffer (padded to a
-    multiple of the ranks per host) is reduce-scattered inside the host, each rank's shard allreduced
-    over its cross set, and the shards allgathered inside the host: every rank ends with the same sums,
-    bit for bit (each shard's sum is one allreduce's, copied to the whole host)."""
-    by_dtype = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    phases, launches = [], []
-    for dtype in sorted(by_dtype, key=str):
-        flat = torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]])
-        shard = -(-flat.numel() // hosts.per_host)
-        padded = torch.cat([flat, flat.new_zeros(shard * hosts.per_host - flat.numel())])
-        label = f"{name}.{str(dtype).removeprefix('torch.')}"
-        launches += [(f"{label}.scatter", padded.numel()), (f"{label}.cross", shard), (f"{label}.gather", shard)]
-        phases.append((by_dtype[dtype], flat.numel(), label, mpi_ops.reducescatter_async(
-            padded, name=f"{label}.scatter", op=mpi_ops.Sum, process_set=hosts.host)))
-    crossed = [(indices, numel, label, mpi_ops.allreduce_async_(wait(handle), op=mpi_ops.Sum, name=f"{label}.cross",
-                                                                process_set=hosts.cross))
-               for indices, numel, label, handle in phases]
-    gathered = [(indices, numel, mpi_ops.allgather_async(wait(handle), name=f"{label}.gather", process_set=hosts.host))
-                for indices, numel, label, handle in crossed]
-    return _split_sums(tensors, [(indices, wait(handle)[:numel]) for indices, numel, handle in gathered]), launches
-
-
-def _sum(tensors, name, process_set, hosts):
-    """(the ranks' sums of ``tensors``, launches): over ``process_set``, or through the ``hosts``."""
-    return sum_end_to_end(tensors, name, process_set) if hosts is None else sum_across_hosts(tensors, name, hosts)
-
-
-class LowRank:
+class LowRank(_KeptState):
     """PowerSGD of each key's accumulator (module docstring).
 
     Args:
@@ -144,6 +129,8 @@ class LowRank:
             ``orthogonalization_epsilon``, >= 0).
         min_compression_rate: compress a tensor only if it shrinks more than this (> 0; torch's 2).
         hosts: ``HostSets`` of equal hosts: every sum goes through them (``sum_across_hosts``); None: flat.
+        values: 'fp32': P's and Q's go in their own dtype, as torch's hook sends them; 'fp16': a float32
+            key's in 16 bits (``hvd_topk.transports.lowrank_wire``).
 
     Example::
 
@@ -153,14 +140,16 @@ class LowRank:
     """
 
     def __init__(self, collectives, average, rank=4, shapes=None, name="hvd_topk.lowrank", seed=0, epsilon=0.0,
-                 min_compression_rate=MIN_COMPRESSION_RATE, hosts=None):
+                 min_compression_rate=MIN_COMPRESSION_RATE, hosts=None, values="fp32"):
         self.collectives, self.average, self.name, self.hosts = collectives, average, name, hosts
+        self.values = check_choice("values", values, VALUES)
         self.rank = check_int("rank", rank, low=1)
         self.seed = check_int("seed", seed, low=0)
         self.epsilon = check_number("epsilon", epsilon, low=0)
         self.min_compression_rate = check_number("min_compression_rate", min_compression_rate, low=0, low_open=True)
         self.shapes = dict(shapes or {})
         self.q = {}                     # key -> warm-start Q (m x r), identical on every rank
+        self.last_largest = {}          # key -> (largest |P sum|, largest |Q sum|) of its last step, ditto
         self.inflight = {}              # key -> this step's started work, until the first finish
         self.outcomes = {}              # key -> Outcome, finished but not yet handed out
         self.launches = []              # (name, numel) of the allreduces of the last step, in order
@@ -182,69 +171,64 @@ class LowRank:
             grad: its shape serves when ``shapes`` lacks ``key``; ``step``, ``k_next``: unused.
 
         Returns:
-            ``Started``: nbytes r(n + m) + 1 values (n*m + 1 dense); sent_sq the squared norm of M's
-            projection on the warm start's columns (all of ``acc`` dense).
+            ``Started``: nbytes r(n + m) + 1 values (n*m + 1 dense), at 2 bytes each where they go in
+            16 bits; sent_sq the squared norm of M's projection on the warm start's columns (all of
+            ``acc`` dense).
         """
         if key in self.inflight or key in self.outcomes:
             raise RuntimeError(f"hvd_topk lowrank: tensor {key!r} started twice in one step")
         matrix, r = self._matrix(key, acc, grad, k)
+        p_scale = q_scale = None
         if r:
             q_old = warm_start(self.q.get(key), key, matrix.shape[1], r, self.seed, acc)
             _, p = start_power_iteration(matrix, q_old, self.epsilon)
             payload, sent_sq = p, sq_norm_finite(p.reshape(-1))[0]
+            if self.values == "fp16" and acc.dtype == torch.float32:
+                p_scale, q_scale = (scale_for(x) for x in self.last_largest.get(key, (None, None)))
         else:
             q_old, payload, sent_sq = None, acc, sq_norm_finite(acc)[0]
-        self.inflight[key] = _Work(acc, matrix, q_old, payload, finite_flag(finite, acc))
+        self.inflight[key] = _Work(acc, matrix, q_old, payload, finite_flag(finite, acc), p_scale, q_scale)
 
         def finish():
             if key not in self.outcomes:
                 self._run_step()
             return self.outcomes.pop(key)
         values = r * sum(matrix.shape) if r else acc.numel()      # P and, at finish, Q; or everything
-        return Started((values + 1) * acc.element_size(), sent_sq, finish, values)
+        return Started(_wire_bytes(matrix, r, acc, p_scale, q_scale), sent_sq, finish, values)
 
     def _run_step(self):
         """Phases a-c for every key in flight, in key order (module docstring)."""
         self.collectives.start_pending()
         keys = sorted(self.inflight)
-        work, self.inflight = self.inflight, {}
-        ps = self.collectives.process_set
-        sums, self.launches = _sum([t for key in keys for t in (work[key].payload, work[key].flag)], f"{self.name}.P",
-                                   ps, self.hosts)
-        sums = dict(zip(keys, zip(sums[0::2], sums[1::2])))
+        work, self.inflight, self.launches = self.inflight, {}, []
+        sums = dict(zip(keys, self._sum_phase("P", [(work[key].payload, work[key].flag, work[key].p_scale)
+                                                    for key in keys])))
         second = {}                     # key -> P orthogonalized, this rank's Q_i
         for key, (total, flag) in sums.items():
             if flag_raised(flag.reshape(())) or not _all_finite(total):       # identical on every rank
                 self.outcomes[key] = Outcome(None, None)
             elif work[key].matrix is None:      # dense: all was sent, the caller flushes the residual
-                total = total * (1.0 / ps.size()) if self.average else total
+                total = total * (1.0 / self.collectives.process_set.size()) if self.average else total
                 self.outcomes[key] = Outcome(total.reshape(-1).to(work[key].acc.dtype), None)
             else:
                 second[key] = finish_power_iteration(work[key].matrix, total, self.epsilon)
-        q_sums, launches = _sum([second[key][1] for key in sorted(second)], f"{self.name}.Q", ps, self.hosts)
-        self.launches += launches
-        for key, q_sum in zip(sorted(second), q_sums):
-            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum)
+        compressed = sorted(second)
+        q_sums = self._sum_phase("Q", [(second[key][1], None, work[key].q_scale) for key in compressed])
+        for key, (q_sum, _) in zip(compressed, q_sums):
+            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum, largest(sums[key][0]))
 
-    def _lowrank(self, key, work, p, q_sum):
-        """A compressed key's outcome: the aggregate and this rank's residual; Q kept if all finite."""
+    def _sum_phase(self, phase, entries):
+        """``lowrank_wire.sum_phase`` of one phase over this transport's ranks (or hosts), its launches kept."""
+        sums, launches = sum_phase(entries, f"{self.name}.{phase}", self.collectives.process_set, self.hosts)
+        self.launches += launches
+        return sums
+
+    def _lowrank(self, key, work, p, q_sum, p_largest):
+        """A compressed key's outcome: the aggregate and this rank's residual; Q and the sums' largest
+        values (the next step's wire scales) kept if all finite."""
         if not _product_finite(q_sum, q_sum.shape[1]):      # identical on every rank: all skip
             return Outcome(None, None)
         aggregate, mean, q = decompress(p, q_sum, self.collectives.process_set.size(), self.average)
         self.q[key] = next_warm_start(work.q_old, q)
+        self.last_largest[key] = (p_largest, largest(q_sum))
         return Outcome(aggregate.reshape(-1), None, residual=(work.matrix - mean).reshape(-1))
-
-    def forget(self):
-        """Drop what the old set of ranks shared: work in flight, outcomes and the warm-start Q's (a
-        joining rank has none; every rank starts again from the seeded Q)."""
-        self.inflight, self.outcomes, self.q = {}, {}, {}
-
-    def state_dict(self):
-        """The warm-start Q's (identical on every rank) and the rank they were made at."""
-        return {"rank": self.rank, "q": {key: q.detach().clone() for key, q in self.q.items()}}
-
-    def load_state_dict(self, state):
-        """Continue from ``state_dict()``'s Q's: the steps after are bit for bit those of the saved job."""
-        if state["rank"] != self.rank:
-            raise ValueError(f"rank must be the saved state's {state['rank']} to load it, got {self.rank}")
-        self.inflight, self.outcomes, self.q = {}, {}, {key: q.clone() for key, q in state["q"].items()}

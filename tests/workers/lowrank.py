@@ -9,6 +9,9 @@ linear weight, a bias, a matrix too thin to shrink twofold):
   rank's residuals go to a new ``LowRank``, which runs the remaining steps.
 - ``sum``: summing instead of averaging, 2 steps.
 - ``mixed``: the conv weight in float32, the rest float64 (one allreduce per dtype and phase), 2 steps.
+- ``wire16`` and ``wire32``: every key in float32, ``--steps`` steps, with ``values='fp16'`` and
+  ``'fp32'`` (the default), on the same data; at ``--jump-step`` every rank's "fc" gradient is 1e6 times
+  larger (its float16 sums overflow: sent again in float32).
 - ``set`` (with ``--set``, registered at ``hvd.init``): 2 steps within that process set; the ranks
   outside it run nothing.
 - ``hosts`` and ``flat`` (with ``--hosts L``: the ranks as hosts of L, their host and cross sets
@@ -38,6 +41,7 @@ p.add_argument("--steps", type=int, default=5)
 p.add_argument("--rank", type=int, default=2)
 p.add_argument("--nan-step", type=int, default=3)
 p.add_argument("--save-at", type=int, default=1)
+p.add_argument("--jump-step", type=int, default=3)
 p.add_argument("--set", default="", help="comma-separated ranks of a process set for the 'set' scenario")
 p.add_argument("--hosts", type=int, default=0, help="ranks per emulated host, for the 'hosts' scenario")
 args = p.parse_args()
@@ -50,13 +54,14 @@ hvd.init(process_sets=([pair] if pair else []) + host_sets or None)
 torch.set_num_threads(1)
 SHAPES = {"conv": (6, 3, 3, 3), "fc": (20, 12), "bias": (20,), "thin": (3, 40)}
 KEYS = sorted(SHAPES)
-DATA = {"main": 0, "resume": 0, "sum": 1, "mixed": 2, "set": 3, "hosts": 0, "flat": 0}
+DATA = {"main": 0, "resume": 0, "sum": 1, "mixed": 2, "set": 3, "hosts": 0, "flat": 0, "wire16": 4, "wire32": 4}
+VALUES = {"wire16": "fp16"}                           # the others 'fp32', the default
 
 
 def build(scenario, average, process_set, hosts=None):
     collectives = Collectives(f"lowrank.{scenario}.group", process_set=process_set)
     return LowRank(collectives, average, rank=args.rank, shapes=SHAPES, name=f"lowrank.{scenario}", seed=7,
-                   hosts=hosts)
+                   hosts=hosts, values=VALUES.get(scenario, "fp32"))
 
 
 def emulated_hosts():
@@ -75,7 +80,8 @@ def orders(step):
 
 def gradient(scenario, key, step, dtype):
     gen = torch.Generator().manual_seed(100000 * DATA[scenario] + 1000 * hvd.rank() + 10 * step + KEYS.index(key))
-    return torch.randn(SHAPES[key], generator=gen, dtype=torch.float64).to(dtype)
+    jump = 1e6 if scenario.startswith("wire") and step == args.jump_step and key == "fc" else 1.0
+    return (torch.randn(SHAPES[key], generator=gen, dtype=torch.float64) * jump).to(dtype)
 
 
 def one_step(transport, scenario, step, residual, dtypes):
@@ -126,7 +132,9 @@ result = {"size": hvd.size(), "orders": [orders(step) for step in range(args.ste
           "main": run("main", steps=args.steps),
           "resume": run("resume", steps=args.steps, save_at=args.save_at),
           "sum": run("sum", average=False),
-          "mixed": run("mixed", dtypes={key: torch.float32 if key == "conv" else torch.float64 for key in KEYS})}
+          "mixed": run("mixed", dtypes={key: torch.float32 if key == "conv" else torch.float64 for key in KEYS}),
+          "wire16": run("wire16", steps=args.steps, dtypes=dict.fromkeys(KEYS, torch.float32)),
+          "wire32": run("wire32", steps=args.steps, dtypes=dict.fromkeys(KEYS, torch.float32))}
 if args.hosts:
     result["hosts"] = run("hosts", steps=args.steps, hosts=emulated_hosts())
     result["flat"] = run("flat", steps=args.steps)

@@ -1,0 +1,150 @@
+"""How low rank's P's and Q's go on the wire: float16 with a power-of-two scale per tensor and phase,
+summed end to end in one allreduce per dtype, or through the hosts.
+
+PowerSGD's bytes are its P's and Q's. Sent in 16 bits they cost half (torch wraps its hook in
+``fp16_compress_wrapper`` for the same reason). Horovod's allreduce has float16 but not bfloat16, and
+float16's range is narrow (its largest is 65504, its smallest normal 6.1e-5), so each float32 P (or Q)
+is multiplied before the cast by a power of two that every rank takes alike: the one that brings the
+largest |sum| of the same tensor and phase at the last step to 2**10 (``scale_for``). That leaves the
+sum 64x of headroom below float16's largest, and a power of two changes no digit of any value.
+
+Where a tensor has no last sum (its first step, after an elastic reset, or a last sum of 0), its phase
+goes in its own dtype, as do float64 and float16 accumulators and ``values='fp32'``. A sum that
+overflowed float16 anyway (a gradient far larger than the last step's) is not finite on every rank
+alike while the finite flags are clear; the transport then sums that tensor again in its own dtype
+(``needs_resend``), so no step is lost to the wire.
+
+``sum_phase`` sums one phase (``sum_end_to_end``: one in-place allreduce per wire dtype, the tensors
+laid end to end; ``sum_across_hosts``: the same through a job's hosts, ``communication='hierarchical'``).
+
+Error feedback stays exact: each rank's residual is M_i - P Q^T from the decoded sums, whatever their
+rounding (``hvd_topk.core.lowrank``), so Σ residuals + W·P Q^T = Σ M_i holds for the numbers used.
+"""
+import math
+from typing import Optional
+
+import torch
+from horovod.torch import mpi_ops
+
+from .collectives import flag_raised, wait
+from ..core.wire import LOWRANK_VALUE_BYTES
+
+__all__ = ["VALUES", "scale_for", "encode", "decode", "needs_resend", "largest", "sum_phase", "sum_end_to_end",
+           "sum_across_hosts"]
+
+VALUES = tuple(LOWRANK_VALUE_BYTES)         # PowerSGDSettings.values: 'fp16', 'fp32'
+_TARGET_EXPONENT = 10                       # the last step's largest |sum| is scaled to 2**10
+_EXPONENT_LIMIT = 100                       # scales within 2**±100: finite, and exact, in float32
+
+
+def scale_for(last_largest: Optional[float]) -> Optional[float]:
+    """The power of two that brings ``last_largest`` (the last step's largest |sum|) to 2**10, or None
+    (no usable last sum: the phase goes in its own dtype).
+
+    Example:
+        >>> scale_for(3.0), scale_for(1e-3), scale_for(None), scale_for(0.0)
+        (256.0, 524288.0, None, None)
+    """
+    if last_largest is None or not 0.0 < last_largest < math.inf:
+        return None
+    exponent = _TARGET_EXPONENT - math.ceil(math.log2(last_largest))
+    return 2.0 ** max(-_EXPONENT_LIMIT, min(_EXPONENT_LIMIT, exponent))
+
+
+def encode(tensor, scale):
+    """What goes on the wire: ``tensor * scale`` in float16, or ``tensor`` itself where ``scale`` is None."""
+    return tensor if scale is None else (tensor * scale).to(torch.float16)
+
+
+def decode(total, scale, dtype):
+    """The sum back in ``dtype``: ``total / scale`` (exact: a power of two), or ``total`` unscaled."""
+    return total if scale is None else total.to(dtype) * (1.0 / scale)
+
+
+def needs_resend(total, scale, raised):
+    """Whether a float16 sum overflowed: it was scaled, no rank raised its finite flag (``raised``), and
+    it is not finite (identical on every rank: every rank holds the same sum)."""
+    return scale is not None and not raised and not bool(torch.isfinite(total).all())
+
+
+def largest(total):
+    """The largest |value| of a sum, a Python float (what the next step's ``scale_for`` reads)."""
+    return float(total.abs().max()) if total.numel() else 0.0
+
+
+def sum_phase(entries, name, process_set, hosts=None):
+    """(sums, launches): [(sum, summed flag or None)] of ``entries`` [(payload, finite flag or None, float16
+    scale or None)] over the ranks, one allreduce per wire dtype (``sum_end_to_end``, or through ``hosts``):
+    a scaled payload goes in float16 with its flag beside it; a float16 sum that overflowed is summed
+    again in the payload's own dtype (``<name>.resend``). Sums come back in the payloads' dtypes."""
+    wire = []
+    for payload, flag, scale in entries:
+        wire += [encode(payload, scale)] + ([] if flag is None else [flag if scale is None else flag.half()])
+    sums, launches = _sum(wire, name, process_set, hosts)
+    out, at, resend = [], 0, []
+    for payload, flag, scale in entries:
+        total, flag_sum = sums[at], None if flag is None else sums[at + 1]
+        at += 1 if flag is None else 2
+        if needs_resend(total, scale, flag_sum is not None and flag_raised(flag_sum.reshape(()))):
+            resend.append(len(out))
+        out.append([decode(total, scale, payload.dtype), flag_sum])
+    if resend:
+        again, more = _sum([entries[i][0] for i in resend], f"{name}.resend", process_set, hosts)
+        launches += more
+        for i, total in zip(resend, again):
+            out[i][0] = total
+    return out, launches
+
+
+def sum_end_to_end(tensors, name, process_set):
+    """(the ranks' sums of ``tensors``, [(collective name, numel)]): one in-place allreduce per dtype
+    of the tensors laid end to end in their order, all started before any is waited for."""
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    handles, launches = [], []
+    for dtype in sorted(by_dtype, key=str):
+        flat = torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]])
+        launches.append((f"{name}.{str(dtype).removeprefix('torch.')}", flat.numel()))
+        handles.append((by_dtype[dtype], mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=launches[-1][0],
+                                                                  process_set=process_set)))
+    return _split_sums(tensors, [(indices, wait(handle)) for indices, handle in handles]), launches
+
+
+def _split_sums(tensors, buffers):
+    """The per-tensor views of the summed buffers: [(indices of the tensors laid end to end, their sum)]."""
+    sums = [None] * len(tensors)
+    for indices, total in buffers:
+        for i, part in zip(indices, torch.split(total, [tensors[i].numel() for i in indices])):
+            sums[i] = part.view(tensors[i].shape)
+    return sums
+
+
+def sum_across_hosts(tensors, name, hosts):
+    """``sum_end_to_end`` over ``hosts`` (``host_sets.HostSets``): per dtype, the buffer (padded to a
+    multiple of the ranks per host) is reduce-scattered inside the host, each rank's shard allreduced
+    over its cross set, and the shards allgathered inside the host: every rank ends with the same sums,
+    bit for bit (each shard's sum is one allreduce's, copied to the whole host)."""
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    phases, launches = [], []
+    for dtype in sorted(by_dtype, key=str):
+        flat = torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]])
+        shard = -(-flat.numel() // hosts.per_host)
+        padded = torch.cat([flat, flat.new_zeros(shard * hosts.per_host - flat.numel())])
+        label = f"{name}.{str(dtype).removeprefix('torch.')}"
+        launches += [(f"{label}.scatter", padded.numel()), (f"{label}.cross", shard), (f"{label}.gather", shard)]
+        phases.append((by_dtype[dtype], flat.numel(), label, mpi_ops.reducescatter_async(
+            padded, name=f"{label}.scatter", op=mpi_ops.Sum, process_set=hosts.host)))
+    crossed = [(indices, numel, label, mpi_ops.allreduce_async_(wait(handle), op=mpi_ops.Sum, name=f"{label}.cross",
+                                                                process_set=hosts.cross))
+               for indices, numel, label, handle in phases]
+    gathered = [(indices, numel, mpi_ops.allgather_async(wait(handle), name=f"{label}.gather", process_set=hosts.host))
+                for indices, numel, label, handle in crossed]
+    return _split_sums(tensors, [(indices, wait(handle)[:numel]) for indices, numel, handle in gathered]), launches
+
+
+def _sum(tensors, name, process_set, hosts):
+    """(the ranks' sums of ``tensors``, launches): over ``process_set``, or through the ``hosts``."""
+    return sum_end_to_end(tensors, name, process_set) if hosts is None else sum_across_hosts(tensors, name, hosts)
