@@ -14,7 +14,8 @@ A name may end in keyword overrides in brackets (values: numbers, true/false, or
 bucket_cap_mb) go to TopKEF, Horovod's (groups, num_groups, backward_passes_per_step, sparse_as_dense) to the
 DistributedOptimizer, the rest to hvd_topk's (``communication`` and its settings). Low-rank arms
 (``powersgd rN``, ``hvd_topk powersgd rN``) give PowerSGD's own (communication, min_compression_rate,
-seed, epsilon) to ``hvd_topk.PowerSGD``. DDP arms take none.
+seed, epsilon, values) to ``hvd_topk.PowerSGD``. DDP arms take none; ``ddp fp16 powersgd rN`` is torch's
+hook inside torch's ``fp16_compress_wrapper`` (its P's and Q's in float16, as hvd_topk's by default).
 
 Every Horovod arm names its parameters ``a<i>.<name>`` (``i``: its place in the run), so no two arms'
 collectives share a name. DDP arms wrap the model in ``DistributedDataParallel`` over the Gloo group
@@ -40,7 +41,7 @@ __all__ = ["ARMS", "Arm", "Build", "parse_arm", "START_POWERSGD_ITER", "TOPKEF_A
 
 START_POWERSGD_ITER = 2
 TOPKEF_ARGS = ("ratio", "min_numel", "budget", "sync_indices", "values", "bucket_cap_mb")
-POWERSGD_ARGS = ("communication", "min_compression_rate", "seed", "epsilon")
+POWERSGD_ARGS = ("communication", "min_compression_rate", "seed", "epsilon", "values")
 HOROVOD_ARGS = ("groups", "num_groups", "backward_passes_per_step", "sparse_as_dense")
 # arms whose transport needs Horovod's process sets of the hosts (hvd_topk.host_process_sets)
 HOST_SETS = ("hierarchical", "auto")
@@ -126,10 +127,12 @@ class Build:
         self.kind, self.powersgd_state = "ddp", state
         return self.task.make_opt(self.forward)
 
-    def ddp_powersgd(self, rank):
-        """DDP with torch's own ``powerSGD_hook`` at ``rank``, the model in one bucket."""
+    def ddp_powersgd(self, rank, fp16=False):
+        """DDP with torch's own ``powerSGD_hook`` at ``rank`` (inside ``fp16_compress_wrapper`` with
+        ``fp16``), the model in one bucket."""
         state = psgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=START_POWERSGD_ITER)
-        return self.ddp(psgd.powerSGD_hook, state, one_bucket=True)
+        hook = default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook) if fp16 else psgd.powerSGD_hook
+        return self.ddp(hook, state, one_bucket=True)
 
 
 ARMS = {
@@ -167,6 +170,9 @@ ARMS = {
     "ddp powersgd r1": lambda b: b.ddp_powersgd(1),
     "ddp powersgd r2": lambda b: b.ddp_powersgd(2),
     "ddp powersgd r4": lambda b: b.ddp_powersgd(4),
+    "ddp fp16 powersgd r1": lambda b: b.ddp_powersgd(1, fp16=True),
+    "ddp fp16 powersgd r2": lambda b: b.ddp_powersgd(2, fp16=True),
+    "ddp fp16 powersgd r4": lambda b: b.ddp_powersgd(4, fp16=True),
 }
 # the dense references of "dense final - 1 pt" / "dense + 2%", the first one a run has
 DENSE = ("horovod dense", "ddp")
