@@ -127,17 +127,19 @@ def run_trial(tuner, arms, step_s, first=1, limit=500):
     raise AssertionError(f"the trial did not end in {limit} steps")
 
 
-def test_trial_plans_take_turns_and_the_fastest_is_kept(hvd):
+@pytest.mark.parametrize("slow, rounds", [(1.4, 3), (3.0, 2)])
+def test_trial_plans_take_turns_and_the_fastest_is_kept(hvd, slow, rounds):
+    """No noise. Plans 1.4x and 1.2x the fastest's step: the fewest rounds, then the t-test shows them
+    slower. 3x and 2x: more than CLEAR_GAP in each of 2 counted rounds, out before the fewest rounds."""
     tuner = AutoTuner(True, None, trial_steps=3, trial_rounds=4)      # the first round is not counted
     arms = [{"w": "artopk"}, {"w": "allgather"}, {"w": "dense"}]
-    times = {"artopk": 0.3, "allgather": 0.1, "dense": 0.2}
+    times = {"artopk": 0.1 * slow, "allgather": 0.1, "dense": 0.1 + 0.1 * (slow - 1) / 2}
     seen = run_trial(tuner, arms, lambda step, mode: times[mode] + (5.0 if (step - 5) % 3 == 0 else 0.0), first=5)
-    # no noise: after the fewest rounds, the fastest is shown, and the others shown slower
-    assert seen == (["artopk"] * 3 + ["allgather"] * 3 + ["dense"] * 3) * 4
+    assert seen == (["artopk"] * 3 + ["allgather"] * 3 + ["dense"] * 3) * (rounds + 1)
     assert tuner.trial is None and tuner.plan == {"w": "allgather"}
     reason = tuner.history[-1][3]
-    assert reason.startswith("trial, 3 counted rounds: ")
-    assert "all allgather 100.0 ms/step" in reason and "all artopk 300.0 ms/step (out after 3)" in reason
+    assert reason.startswith(f"trial, {rounds} counted rounds: ")
+    assert "all allgather 100.0 ms/step" in reason and f"all artopk {100 * slow:.1f} ms/step (out after {rounds})" in reason
     assert reason.endswith("kept all allgather")
 
 
@@ -326,8 +328,13 @@ def test_end_round_counts_from_the_second_round_and_ends_at_the_most_rounds():
     assert trials.summary(trial, kept).startswith("trial, 4 counted rounds: all artopk 102.5 ms/step")
     assert trials.summary(trial, kept, [0.5, 0.25]).startswith(      # quality weighed: each plan's G too
         "trial, 4 counted rounds: all artopk 102.5 ms/step at G 0.50, all allgather 105.0 ms/step at G 0.25;")
-    early = trials.Trial(arms, [0, 1], [[0.1], [0.3]], rounds=1)
-    assert trials.end_round(early, [0.1, 0.3], trial_rounds=3, max_rounds=5)[1] is None   # too few rounds
+    early = trials.Trial(arms, [0, 1], [[0.1], [0.13]], rounds=1)
+    assert trials.end_round(early, [0.1, 0.13], trial_rounds=3, max_rounds=5)[1] is None  # too few rounds
+    trial, kept = trials.end_round(trials.Trial(arms, [0, 1], [[0.1], [0.3]], rounds=1), [0.1, 0.3], 3, 5)
+    assert (trial.active, kept) == ([0], 0)                  # 3x the fastest twice: out, the trial over
+    trial, kept = trials.end_round(trials.Trial(arms, [0, 1], [[0.1], [0.3]], rounds=1), [0.1, 0.3], 3, 5,
+                                   scales=[3.0, 1.0])        # weighed by G, the two are alike: no gap
+    assert (trial.active, kept) == ([0, 1], None)
 
 
 def test_drift_rule_two_checks_in_a_row_the_same_way():

@@ -18,7 +18,9 @@ m = ``trial_margin``, 5% by default)::
 
 and the trial ends when the second holds for every plan left (or after ``trial_max_rounds`` rounds).
 So a clear gap ends it in a few rounds, and two plans within the noise of each other take turns until
-either is shown to be within m of the other. Where low rank is a candidate, each plan's means are its
+either is shown to be within m of the other. Before that, from the second counted round on, a plan
+whose mean is more than ``CLEAR_GAP`` times the fastest's in every counted round so far leaves at once
+(a gap beyond any turn's noise seen), and the trial ends when one plan is left. Where low rank is a candidate, each plan's means are its
 J = step time / G^w (``scales``: 1 / G^w per plan, ``hvd_topk.auto.quality``), so a plan that sends
 less of the gradient at once must be faster by as much to win. The fastest is kept, unless the
 all-dense plan is within m of it: a smaller lead is noise on a busy host, and dense is exact. (The
@@ -33,7 +35,7 @@ from typing import List, NamedTuple, Optional
 from .plans import plan_name
 
 __all__ = ["TRIAL_MARGIN", "Trial", "Verdict", "new_trial", "on_turn", "record_step", "turn_over", "end_turn",
-           "counts_round", "end_round", "verdict", "summary", "to_dict", "from_dict"]
+           "counts_round", "end_round", "verdict", "clear_gaps", "summary", "to_dict", "from_dict"]
 
 # A plan within this fraction of the fastest is as good; a lead over dense smaller than this is within
 # the noise of a busy host (dense is then kept: exact).
@@ -42,6 +44,12 @@ TRIAL_MARGIN = 0.05
 # of the mean of a few paired differences make a confident difference (``verdict``).
 T975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13,
         2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
+# A plan more than this many times slower (in J) than the fastest in each of at least CLEAR_ROUNDS
+# counted rounds leaves before the t-test could speak: turn means moved by up to 37% between rounds on
+# the 2-core host, so a 1.5x gap twice over is no slow spell; and plans that send a third of low rank's
+# energy at once (Top-K on dense gradients) were trained with for 4 counted rounds before leaving.
+CLEAR_GAP = 1.5
+CLEAR_ROUNDS = 2
 # Steps of a turn that are not counted: the first one carries the switch from the previous plan.
 _TURN_WARMUP = 1
 # Rounds that are not counted: the first one is each transport's first use.
@@ -108,9 +116,13 @@ def end_round(trial, agreed, trial_rounds, max_rounds, margin=TRIAL_MARGIN, scal
         for a, m in zip(trial.active, agreed):
             means[a].append(m)
     trial = dataclasses.replace(trial, rounds=trial.rounds + 1, means=means, round_means=[])
+    means = trial.means if scales is None else [[x * scale for x in m] for m, scale in zip(trial.means, scales)]
+    if agreed is not None:
+        trial = dataclasses.replace(trial, active=clear_gaps(means, trial.active))
+        if len(trial.active) == 1:
+            return trial, trial.active[0]
     if trial.rounds < trial_rounds:
         return trial, None
-    means = trial.means if scales is None else [[x * scale for x in m] for m, scale in zip(trial.means, scales)]
     v = verdict(trial.arms, means, trial.active, margin)
     trial = dataclasses.replace(trial, active=v.active)
     return trial, (v.kept if v.settled or trial.rounds >= max_rounds else None)
@@ -135,6 +147,22 @@ def verdict(arms, means, active, margin=TRIAL_MARGIN):
         elif statistics.fmean(d) + margin <= tse:
             settled = False                # may still be the faster one
     return Verdict(active, settled, _dense_tie(arms, means, active, best, margin))
+
+
+def clear_gaps(means, active, gap=CLEAR_GAP, rounds=CLEAR_ROUNDS):
+    """``active`` without the plans whose mean was more than ``gap`` times the fastest plan's in every
+    one of at least ``rounds`` counted rounds (``means``: per plan, per counted round, comparable).
+
+    Example:
+        >>> clear_gaps([[1.0, 1.1], [2.0, 1.7], [2.0, 1.2]], [0, 1, 2])     # 2: not in every round
+        [0, 2]
+        >>> clear_gaps([[1.0], [2.0]], [0, 1])         # one counted round: a spell of the host, maybe
+        [0, 1]
+    """
+    if not active or len(means[active[0]]) < rounds:
+        return list(active)
+    best = min(active, key=lambda a: (statistics.fmean(means[a]), a))
+    return [a for a in active if a == best or not all(x > gap * y for x, y in zip(means[a], means[best]))]
 
 
 def _dense_tie(arms, means, active, best, margin):
