@@ -61,7 +61,8 @@ class CollectiveSteps:
         select_s, pass_s, matmul_s = self._agree_quality(
             sorted(numels), time_compression(state.sparse_numels, state.ratio, state.clock), "hvd_topk.auto.costs")
         self.quality_sums = {}
-        link = None if self.hosts is None else probe_hosts(self.hosts, PROBE_REPEATS)
+        link, hosts_s = (None, 0.0) if self.hosts is None else probe_hosts(self.hosts, PROBE_REPEATS)
+        reason += f", probe {res.wall_s + hosts_s:.1f} s"           # rank 0's: the same history everywhere
         self.costs = Costs(alpha, beta, select_s, pass_s, link, matmul_s)
         self.calibration = None
         self.last_probe_check = step

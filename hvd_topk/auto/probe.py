@@ -262,12 +262,14 @@ class Probe:
 
 
 def probe_hosts(sets, repeats=DEFAULT_REPEATS):
-    """The ``HostLink`` of a job across equal hosts (``hvd_topk.transports.host_sets.HostSets``): α and β
-    over every host's set at once, then over every cross set at once, as hierarchical's phases run
-    (so the cross β is per rank while every position of a host shares the host's link). Collective."""
+    """(the ``HostLink`` of a job across equal hosts, the seconds its two probes took on rank 0): α and β
+    over every host's set at once (``hvd_topk.transports.host_sets.HostSets``), then over every cross
+    set at once, as hierarchical's phases run (so the cross β is per rank while every position of a
+    host shares the host's link). Collective."""
     host = Probe(repeats=repeats, name="hvd_topk.probe.host", process_set=sets.host).run()
     cross = Probe(repeats=repeats, name="hvd_topk.probe.cross", process_set=sets.cross).run()
-    return HostLink(sets.hosts, sets.per_host, host.alpha, host.beta, cross.alpha, cross.beta)
+    return HostLink(sets.hosts, sets.per_host, host.alpha, host.beta, cross.alpha, cross.beta), \
+        host.wall_s + cross.wall_s
 
 
 def pass_sizes(ladder):
