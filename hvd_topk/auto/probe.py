@@ -2,7 +2,7 @@
 
 Every rank runs the same schedule. First a pass of single calls, ascending (the smallest size, then x4
 from 1 MiB, below the largest), finds the first size whose agreed time is long enough for the bandwidth
-term to dwarf the latency (50 ms and 4x the smallest's): larger sizes would only cost time (a 4 MiB
+term to dwarf the latency (50 ms and 4x the smallest's, or 100 ms): larger sizes would only cost time (a 4 MiB
 allreduce takes 0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there. Then for each size of
 the ladder (4 B .. 4 MiB by default, largest first) one untimed warm-up call and ``repeats`` timed calls
 of ``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor; the median time per size is kept. The
@@ -72,6 +72,9 @@ _WARMUP_CALLS = 1
 # (its bandwidth term's 0.13 s), so the ladder went on to 4 MiB, 0.5-0.9 s a call, in two of the probes.
 _ENOUGH_S = 0.05
 _ENOUGH_OVER_SMALLEST = 4
+# A call this long is the link's whatever the smallest took: one stalled small call (0.03-1 s across the
+# emulated hosts) must not send the ladder on to 4 MiB, after whose calls smaller ones stalled too.
+_ENOUGH_ALONE_S = 0.1
 # The pass's sizes above the smallest: x4 from here. Not smaller: one call stalled by the host or by a
 # retransmission timeout (200 ms) would then stop the ladder among latency-bound sizes, whose line has
 # no slope (the likely cause of a beta of 0 in one run across emulated hosts).
@@ -226,7 +229,8 @@ class Probe:
 
     def _enough_size(self):
         """The first size of the pass (``pass_sizes``, ascending) whose agreed time reaches ``_ENOUGH_S``
-        and ``_ENOUGH_OVER_SMALLEST`` times the smallest's; the ladder's largest if none does. Each size's
+        and ``_ENOUGH_OVER_SMALLEST`` times the smallest's, or ``_ENOUGH_ALONE_S``; the ladder's largest if
+        none does. Each size's
         time is its second call's: the first negotiates, and on a link with a burst allowance (tc tbf's
         1 MB here) it passes 1 MiB at line rate, which sent the ladder on to 4 MiB (0.5 s a call across 2
         emulated hosts) although 1 MiB takes 0.12 s there once the allowance is spent."""
@@ -239,7 +243,7 @@ class Probe:
         enough = max(_ENOUGH_S, _ENOUGH_OVER_SMALLEST * smallest)
         for size in sizes:
             self._call_s(size)
-            if self._agree([self._call_s(size)], f"pass.{size}")[0] >= enough:
+            if self._agree([self._call_s(size)], f"pass.{size}")[0] >= min(enough, _ENOUGH_ALONE_S):
                 return size
         return self.sizes[-1]
 
