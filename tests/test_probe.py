@@ -54,6 +54,22 @@ def test_probe_at_world_size_one_sends_nothing(hvd):
     assert res.sizes == DEFAULT_SIZES
 
 
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("calls, stop", [
+    ({4: [0.5, 0.002], MIB: [0.01, 0.12]}, MIB),     # 1 MiB's first call flattered by a burst: its second counts
+    ({4: [0.5, 1.0], MIB: [0.2, 0.12]}, MIB),        # the smallest stalled: 100 ms is the link's whatever it took
+    ({4: [0.5, 0.001], MIB: [0.003, 0.003]}, 4 * MIB),   # a fast link: on to the ladder's largest
+])
+def test_the_pass_stops_the_ladder_where_a_second_call_is_slow_enough(hvd, calls, stop):
+    """The pass (one process: the agreement is the identity) with scripted call times, in call order."""
+    probe = Probe()
+    probe._call_s = lambda size: calls[size].pop(0)
+    assert probe._enough_size() == stop
+    assert all(not left for left in calls.values())        # each size called twice, no more
+
+
 # --- real jobs ---------------------------------------------------------------------------------------
 
 UNLIMITED = probe_job("--collectives", "allreduce", "broadcast", "--extension")
