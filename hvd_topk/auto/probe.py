@@ -1,9 +1,9 @@
 """Online probe of the cost model's alpha and beta over Horovod's public collectives.
 
-Every rank runs the same schedule. First a pass of single calls, ascending (the smallest size, then x4
-from 1 MiB, below the largest), finds the first size whose agreed time is long enough for the bandwidth
-term to dwarf the latency (50 ms and 4x the smallest's, or 100 ms): larger sizes would only cost time (a 4 MiB
-allreduce takes 0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there. Then for each size of
+Every rank runs the same schedule. First a pass, ascending (the smallest size, then x4 from 1 MiB, below
+the largest; each size's second call timed), finds the first size whose agreed time is long enough for
+the bandwidth term to dominate the latency (50 ms and 4x the smallest's, or 100 ms): larger sizes would
+only cost time (a 4 MiB allreduce takes 0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there. Then for each size of
 the ladder (4 B .. 4 MiB by default, largest first) one untimed warm-up call and ``repeats`` timed calls
 of ``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor; the median time per size is kept. The
 ranks agree on the medians (averaged with an allreduce, then rank 0's copy broadcast, so the bits are
@@ -230,10 +230,9 @@ class Probe:
     def _enough_size(self):
         """The first size of the pass (``pass_sizes``, ascending) whose agreed time reaches ``_ENOUGH_S``
         and ``_ENOUGH_OVER_SMALLEST`` times the smallest's, or ``_ENOUGH_ALONE_S``; the ladder's largest if
-        none does. Each size's
-        time is its second call's: the first negotiates, and on a link with a burst allowance (tc tbf's
-        1 MB here) it passes 1 MiB at line rate, which sent the ladder on to 4 MiB (0.5 s a call across 2
-        emulated hosts) although 1 MiB takes 0.12 s there once the allowance is spent."""
+        none does. Each size's time is its second call's: the first negotiates, and on a link with a burst
+        allowance (tc tbf's 1 MB here) it passes 1 MiB at line rate, which sent the ladder on to 4 MiB
+        (0.5 s a call across 2 emulated hosts) although 1 MiB takes 0.12 s there once it is spent."""
         sizes = pass_sizes(self.sizes)
         if not sizes:
             return self.sizes[-1]

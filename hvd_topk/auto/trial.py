@@ -20,9 +20,10 @@ and the trial ends when the second holds for every plan left (or after ``trial_m
 So a clear gap ends it in a few rounds, and two plans within the noise of each other take turns until
 either is shown to be within m of the other. Before that, from the second counted round on, a plan
 whose mean is more than ``CLEAR_GAP`` times the fastest's in every counted round so far leaves at once
-(a gap beyond any turn's noise seen), and the trial ends when one plan is left. Where low rank is a candidate, each plan's means are its
-J = step time / G^w (``scales``: 1 / G^w per plan, ``hvd_topk.auto.quality``), so a plan that sends
-less of the gradient at once must be faster by as much to win. The fastest is kept, unless the
+(a gap beyond any turn's noise seen), and the trial ends when one plan is left. Where low rank is a
+candidate, each plan's means are its J = step time / G^w (``scales``: 1 / G^w per plan,
+``hvd_topk.auto.quality``), so a plan that sends less of the gradient at once must be faster by as much
+to win. The fastest is kept, unless the
 all-dense plan is within m of it: a smaller lead is noise on a busy host, and dense is exact. (The
 model's plan gets no such preference: it charges α per tensor, while Horovod fuses the tensors of a
 cycle and AR-Topk shares every index set in one allgather per step.)

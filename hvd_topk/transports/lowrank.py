@@ -28,7 +28,7 @@ power of two from the last step's sums (``hvd_topk.transports.lowrank_wire``: 2 
 float16 sum that overflowed summed again in float32); dense keys go in their own dtype.
 
 Across hosts (``hosts``, ``communication='hierarchical'``): the same step, with each phase's sum taken
-in three collectives instead of one (``sum_across_hosts``): a reduce-scatter inside each host (exact,
+in three collectives instead of one (``lowrank_wire.sum_across_hosts``): a reduce-scatter inside each host (exact,
 over the fast link), an allreduce of each shard across the hosts by the ranks at its position (only
 the host's sum of the P's, then of the Q's, crosses the slow link: r(n + m) values per host, not per
 rank), an allgather inside the host. The math, the residuals (each rank's own) and so the error
@@ -128,7 +128,7 @@ class LowRank(_KeptState):
         epsilon: added to each column's norm in the orthogonalization (torch's
             ``orthogonalization_epsilon``, >= 0).
         min_compression_rate: compress a tensor only if it shrinks more than this (> 0; torch's 2).
-        hosts: ``HostSets`` of equal hosts: every sum goes through them (``sum_across_hosts``); None: flat.
+        hosts: ``HostSets`` of equal hosts: every sum goes through them (``lowrank_wire.sum_across_hosts``); None: flat.
         values: 'fp32': P's and Q's go in their own dtype, as torch's hook sends them; 'fp16': a float32
             key's in 16 bits (``hvd_topk.transports.lowrank_wire``).
 
