@@ -99,16 +99,20 @@ def sum_phase(entries, name, process_set, hosts=None):
 def sum_end_to_end(tensors, name, process_set):
     """(the ranks' sums of ``tensors``, [(collective name, numel)]): one in-place allreduce per dtype
     of the tensors laid end to end in their order, all started before any is waited for."""
+    handles, launches = [], []
+    for indices, flat, label in _flat_by_dtype(tensors, name):
+        launches.append((label, flat.numel()))
+        handles.append((indices, mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=label, process_set=process_set)))
+    return _split_sums(tensors, [(indices, wait(handle)) for indices, handle in handles]), launches
+
+
+def _flat_by_dtype(tensors, name):
+    """[(indices, the tensors of one dtype laid end to end, ``<name>.<dtype>``)], dtypes in sorted order."""
     by_dtype = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    handles, launches = [], []
-    for dtype in sorted(by_dtype, key=str):
-        flat = torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]])
-        launches.append((f"{name}.{str(dtype).removeprefix('torch.')}", flat.numel()))
-        handles.append((by_dtype[dtype], mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=launches[-1][0],
-                                                                  process_set=process_set)))
-    return _split_sums(tensors, [(indices, wait(handle)) for indices, handle in handles]), launches
+    return [(by_dtype[dtype], torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]]),
+             f"{name}.{str(dtype).removeprefix('torch.')}") for dtype in sorted(by_dtype, key=str)]
 
 
 def _split_sums(tensors, buffers):
@@ -125,17 +129,12 @@ def sum_across_hosts(tensors, name, hosts):
     multiple of the ranks per host) is reduce-scattered inside the host, each rank's shard allreduced
     over its cross set, and the shards allgathered inside the host: every rank ends with the same sums,
     bit for bit (each shard's sum is one allreduce's, copied to the whole host)."""
-    by_dtype = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
     phases, launches = [], []
-    for dtype in sorted(by_dtype, key=str):
-        flat = torch.cat([tensors[i].reshape(-1) for i in by_dtype[dtype]])
+    for indices, flat, label in _flat_by_dtype(tensors, name):
         shard = -(-flat.numel() // hosts.per_host)
         padded = torch.cat([flat, flat.new_zeros(shard * hosts.per_host - flat.numel())])
-        label = f"{name}.{str(dtype).removeprefix('torch.')}"
         launches += [(f"{label}.scatter", padded.numel()), (f"{label}.cross", shard), (f"{label}.gather", shard)]
-        phases.append((by_dtype[dtype], flat.numel(), label, mpi_ops.reducescatter_async(
+        phases.append((indices, flat.numel(), label, mpi_ops.reducescatter_async(
             padded, name=f"{label}.scatter", op=mpi_ops.Sum, process_set=hosts.host)))
     crossed = [(indices, numel, label, mpi_ops.allreduce_async_(wait(handle), op=mpi_ops.Sum, name=f"{label}.cross",
                                                                 process_set=hosts.cross))
