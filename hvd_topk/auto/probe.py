@@ -3,11 +3,11 @@
 Every rank runs the same schedule. First a pass, ascending (the smallest size, then x4 from 1 MiB, below
 the largest; each size's second call timed), finds the first size whose agreed time is long enough for
 the bandwidth term to dominate the latency (50 ms and 4x the smallest's, or 100 ms): larger sizes would
-only cost time (a 4 MiB allreduce takes 0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there. Then for each size of
-the ladder (4 B .. 4 MiB by default, largest first) one untimed warm-up call and ``repeats`` timed calls
-of ``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor; the median time per size is kept. The
-ranks agree on the medians (averaged with an allreduce, then rank 0's copy broadcast, so the bits are
-identical everywhere). If the largest size took less than 4x the smallest, the bandwidth term is
+only cost time (a 4 MiB allreduce takes 0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there.
+Then for each size of the ladder (4 B .. 4 MiB by default, largest first) one untimed warm-up call and
+``repeats`` timed calls of ``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor; the median
+time per size is kept. The ranks agree on the medians (averaged with an allreduce, then rank 0's copy
+broadcast, so the bits are identical everywhere). If the largest size took less than 4x the smallest, the bandwidth term is
 drowned by latency and noise, so sizes x4 larger are added (up to ``max_bytes``), decided on the agreed
 times. A line ``t = a + b·bytes`` is fitted by ordinary least squares, rank 0's fit is broadcast, and
 the line is read through the cost model of the collective used (``hvd_topk.auto.costmodel``,
@@ -66,7 +66,7 @@ _MIN_SIGNAL = 4.0
 _EXTENSION = 4
 # Untimed calls before the timed ones of a size: the first call of a name negotiates and allocates.
 _WARMUP_CALLS = 1
-# The pass stops the ladder at the first size whose one call took this long, and this many times the
+# The pass stops the ladder at the first size whose second call took this long, and this many times the
 # smallest size's: its time is then mostly bandwidth (alpha is about 1 ms with Horovod's default cycle).
 # Not 16x (nor 8x): across 2 emulated hosts at 100 Mbit/s the smallest took 9-24 ms and 1 MiB 0.12-0.17 s
 # (its bandwidth term's 0.13 s), so the ladder went on to 4 MiB, 0.5-0.9 s a call, in two of the probes.

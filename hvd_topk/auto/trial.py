@@ -23,8 +23,8 @@ whose mean is more than ``CLEAR_GAP`` times the fastest's in every counted round
 (a gap beyond any turn's noise seen), and the trial ends when one plan is left. Where low rank is a
 candidate, each plan's means are its J = step time / G^w (``scales``: 1 / G^w per plan,
 ``hvd_topk.auto.quality``), so a plan that sends less of the gradient at once must be faster by as much
-to win. The fastest is kept, unless the
-all-dense plan is within m of it: a smaller lead is noise on a busy host, and dense is exact. (The
+to win. The fastest is kept, unless the all-dense plan is within m of it: a smaller lead is noise on a
+busy host, and dense is exact. (The
 model's plan gets no such preference: it charges α per tensor, while Horovod fuses the tensors of a
 cycle and AR-Topk shares every index set in one allgather per step.)
 """

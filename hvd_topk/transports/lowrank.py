@@ -69,6 +69,11 @@ def _shape_of(shapes, key, acc, grad):
     return shape
 
 
+def _in_float16(values, acc):
+    """Whether a key's P and Q go in float16: ``values='fp16'`` and a float32 accumulator."""
+    return values == "fp16" and acc.dtype == torch.float32
+
+
 def _wire_bytes(matrix, r, acc, p_scale, q_scale):
     """A key's bytes on the wire: r(n + m) values and its flag (a scaled phase's at 2 bytes each), or
     all of ``acc`` and the flag (dense)."""
@@ -183,7 +188,7 @@ class LowRank(_KeptState):
             q_old = warm_start(self.q.get(key), key, matrix.shape[1], r, self.seed, acc)
             _, p = start_power_iteration(matrix, q_old, self.epsilon)
             payload, sent_sq = p, sq_norm_finite(p.reshape(-1))[0]
-            if self.values == "fp16" and acc.dtype == torch.float32:
+            if _in_float16(self.values, acc):
                 p_scale, q_scale = (scale_for(x) for x in self.last_largest.get(key, (None, None)))
         else:
             q_old, payload, sent_sq = None, acc, sq_norm_finite(acc)[0]
@@ -215,7 +220,7 @@ class LowRank(_KeptState):
         compressed = sorted(second)
         q_sums = self._sum_phase("Q", [(second[key][1], None, work[key].q_scale) for key in compressed])
         for key, (q_sum, _) in zip(compressed, q_sums):
-            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum, largest(sums[key][0]))
+            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum, sums[key][0])
 
     def _sum_phase(self, phase, entries):
         """``lowrank_wire.sum_phase`` of one phase over this transport's ranks (or hosts), its launches kept."""
@@ -223,12 +228,13 @@ class LowRank(_KeptState):
         self.launches += launches
         return sums
 
-    def _lowrank(self, key, work, p, q_sum, p_largest):
-        """A compressed key's outcome: the aggregate and this rank's residual; Q and the sums' largest
-        values (the next step's wire scales) kept if all finite."""
+    def _lowrank(self, key, work, p, q_sum, p_sum):
+        """A compressed key's outcome: the aggregate and this rank's residual; Q kept if all finite, and
+        where the key goes in float16, the sums' largest values (its next step's wire scales)."""
         if not _product_finite(q_sum, q_sum.shape[1]):      # identical on every rank: all skip
             return Outcome(None, None)
         aggregate, mean, q = decompress(p, q_sum, self.collectives.process_set.size(), self.average)
         self.q[key] = next_warm_start(work.q_old, q)
-        self.last_largest[key] = (p_largest, largest(q_sum))
+        if _in_float16(self.values, work.acc):      # a pass over each sum (a device sync) only where used
+            self.last_largest[key] = (largest(p_sum), largest(q_sum))
         return Outcome(aggregate.reshape(-1), None, residual=(work.matrix - mean).reshape(-1))
