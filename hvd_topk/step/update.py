@@ -12,6 +12,7 @@ import torch
 from horovod.torch import mpi_ops
 from horovod.torch.mpi_ops import Sum
 
+from ..transports.collectives import wait
 from .dgc import clip_local
 
 __all__ = ["update_step"]
@@ -29,8 +30,8 @@ def update_step(opt, closure):
     # every rank, with the local optimizer's state (Adam's moments) and the residuals untouched.
     bad = sum(1 for q in params
               if not bool(torch.isfinite(q.grad.coalesce().values() if q.grad.is_sparse else q.grad).all()))
-    if mpi_ops.allreduce(torch.tensor([float(bad)]), name="hvd_topk.update.finite", op=Sum,
-                         process_set=opt.process_set).item() > 0:
+    if wait(mpi_ops.allreduce_async(torch.tensor([float(bad)]), name="hvd_topk.update.finite", op=Sum,
+                                    process_set=opt.process_set)).item() > 0:
         state.commits.nonfinite = True
         state.end_step(comm_s=time.perf_counter() - t0)
         warnings.warn("hvd_topk: a gradient was non-finite on some rank; the step is skipped on every "

@@ -66,8 +66,8 @@ def agree(values, name, average=True):
     if mpi_ops.size() == 1:
         return t.tolist()
     if average:
-        t = mpi_ops.allreduce(t, op=mpi_ops.Sum, name=f"{name}.sum") / mpi_ops.size()
-    return mpi_ops.broadcast(t, root_rank=0, name=name).tolist()
+        t = wait(mpi_ops.allreduce_async(t, op=mpi_ops.Sum, name=f"{name}.sum")) / mpi_ops.size()
+    return wait(mpi_ops.broadcast_async(t, root_rank=0, name=name)).tolist()
 
 
 def finite_flag(finite, like):

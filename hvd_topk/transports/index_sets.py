@@ -57,7 +57,7 @@ class IndexPipeline:
             buf = (topk_indices(acc, k).to(torch.int32) if ps.rank() == leader
                    else torch.empty(k, dtype=torch.int32, device=acc.device))
             if ps.size() > 1:                 # Horovod's root_rank is a global rank
-                mpi_ops.broadcast_(buf, root_rank=ps.ranks[leader], name=f"{self.name}.{key}", process_set=ps)
+                wait(mpi_ops.broadcast_async_(buf, ps.ranks[leader], name=f"{self.name}.{key}", process_set=ps))
             return buf.long()
         self.receive()
         buf = self.ready.pop(key, None)

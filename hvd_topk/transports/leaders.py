@@ -7,6 +7,8 @@
 import torch
 from horovod.torch import mpi_ops
 
+from .collectives import wait
+
 __all__ = ["star_leader", "StarLeaders", "VarLeaders", "VAR_EWMA_WEIGHT"]
 
 VAR_EWMA_WEIGHT = 0.1     # weight of the newest step in VAR's score: a few steps' memory, so one odd
@@ -77,7 +79,7 @@ class VarLeaders(StarLeaders):
 
     def _receive(self):
         if self.handle is not None:
-            scores = mpi_ops.synchronize(self.handle)   # None: Horovod was re-initialised since
+            scores = wait(self.handle)                  # None: Horovod was re-initialised since
             self.scores = None if scores is None else scores.reshape(-1)
             self.handle = None
 
