@@ -338,6 +338,21 @@ def test_end_round_counts_from_the_second_round_and_ends_at_the_most_rounds():
     assert (trial.active, kept) == ([0, 1], None)
 
 
+def test_end_round_drops_a_plan_that_loses_by_quality_alone_after_one_counted_round():
+    """Low rank (G 0.96) and Top-K (G 0.41) at w = 1, as across 2 emulated hosts: Top-K's step is the
+    fastest, yet at that step its J is 2x low rank's, so it leaves after the first counted round. A
+    plan at G 0.76 could still win on its step: it stays, and so does every plan without scales."""
+    arms = [{"w": "lowrank"}, {"w": "artopk"}, {"w": "split_reduce"}]
+    first = trials.Trial(arms, [0, 1, 2], [[], [], []], rounds=1)
+    measured = [0.207, 0.1785, 0.202]
+    trial, kept = trials.end_round(first, measured, 5, 10, scales=[1 / 0.96, 1 / 0.41, 1 / 0.76])
+    assert (trial.active, kept) == ([0, 2], None)
+    trial, kept = trials.end_round(first, measured, 5, 10, scales=[1 / 0.96, 1 / 0.41, 1 / 0.41])
+    assert (trial.active, kept) == ([0], 0)                         # one plan left: the trial is over
+    assert trials.end_round(first, measured, 5, 10)[0].active == [0, 1, 2]
+    assert trials.quality_gaps([[], []], [1.0, 3.0], [0, 1]) == [0, 1]      # no counted round yet
+
+
 def test_drift_rule_two_checks_in_a_row_the_same_way():
     cal = recheck.drift_check(0.02, 0.01, None, 0, 0.5, True)
     assert cal == recheck.Drift(2.0, 0, False, None)                # the first check calibrates
