@@ -7,7 +7,7 @@ applies the verdict (docs/auto.md).
 The plans on trial (``hvd_topk.auto.plans.trial_plans``: the model's plan and every uniform plan modelled
 within 4x of it) take turns, ``trial_steps`` steps at a time (A B C A B C ...: a slow spell of the host
 falls on every plan, not on one). The first step of each turn and the whole first round (each
-transport's first use: buffers allocated, index pipeline started) are not counted. After every round
+transport's first use: buffers allocated, index pipeline started; turns of 2 steps) are not counted. After every round
 the ranks agree on each plan's mean counted step of that round; from round ``trial_rounds`` on, with R
 counted rounds, each plan is compared with the fastest so far through the paired differences d of their
 rounds (relative to the fastest's mean; t = Student's t quantile 0.975 with R - 1 degrees of freedom,
@@ -57,6 +57,9 @@ CLEAR_ROUNDS = 2
 _TURN_WARMUP = 1
 # Rounds that are not counted: the first one is each transport's first use.
 _WARMUP_ROUNDS = 1
+# Steps of a turn in those rounds: the first use, and one step after it (the index pipeline's first
+# shared set, Horovod's cached names); more would only train with every plan on trial for longer.
+_WARMUP_TURN_STEPS = 2
 
 
 @dataclasses.dataclass
@@ -93,8 +96,9 @@ def record_step(trial, step_s):
 
 
 def turn_over(trial, trial_steps):
-    """Whether the turn under way has its ``trial_steps`` steps."""
-    return len(trial.turn_times) >= trial_steps
+    """Whether the turn under way has its ``trial_steps`` steps (``_WARMUP_TURN_STEPS`` in a round not
+    counted)."""
+    return len(trial.turn_times) >= (trial_steps if trial.rounds >= _WARMUP_ROUNDS else _WARMUP_TURN_STEPS)
 
 
 def end_turn(trial):
