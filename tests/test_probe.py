@@ -70,6 +70,17 @@ def test_the_pass_stops_the_ladder_where_a_second_call_is_slow_enough(hvd, calls
     assert all(not left for left in calls.values())        # each size called twice, no more
 
 
+def test_the_ladder_counts_the_pass_timed_calls(hvd):
+    """A size the pass called has a warm name and one timed call already: the ladder makes
+    ``repeats - 1`` more (two calls of 1 MiB fewer across hosts); another size gets its warm-up call."""
+    probe = Probe(repeats=3)
+    calls = {4: [0.5, 0.002, 0.003, 0.001], MIB: [0.01, 0.12, 0.13, 0.14], 64: [9.0, 0.01, 0.02, 0.03]}
+    probe._call_s = lambda size: calls[size].pop(0)
+    assert probe._enough_size() == MIB
+    assert (probe._median_s(MIB), probe._median_s(4), probe._median_s(64)) == (0.13, 0.002, 0.02)
+    assert all(not left for left in calls.values())         # 9.0: 64's warm-up, not timed
+
+
 # --- real jobs ---------------------------------------------------------------------------------------
 
 UNLIMITED = probe_job("--collectives", "allreduce", "broadcast", "--extension")

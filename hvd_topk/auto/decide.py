@@ -6,18 +6,29 @@ import logging
 
 from . import recheck, trial as trials
 from .measure import lowrank_sizes, time_compression
-from .plans import Costs, fitted_link, plan_counts, plan_seconds, plan_transports, trial_plans, uniform_plan
-from .probe import probe_hosts
+from .plans import Costs, HostLink, fitted_link, plan_counts, plan_seconds, plan_transports, trial_plans, uniform_plan
+from .probe import Probe
 from .quality import plan_gain, quality_from_row, quality_row
 from .recheck import choose_ratio
 
-__all__ = ["CollectiveSteps", "PROBE_REPEATS"]
+__all__ = ["CollectiveSteps", "PROBE_REPEATS", "probe_hosts"]
 
 log = logging.getLogger("hvd_topk")
 
 # The probe's timed calls per message size (the median is kept): 3 is enough for the model's choice,
 # which the trial then checks by measurement, and keeps the probe short (it runs again on drift).
 PROBE_REPEATS = 3
+
+
+def probe_hosts(sets, repeats=PROBE_REPEATS):
+    """(the ``HostLink`` of a job across equal hosts, the seconds its two probes took on rank 0): α and β
+    over every host's set at once (``hvd_topk.transports.host_sets.HostSets``), then over every cross
+    set at once, as hierarchical's phases run (so the cross β is per rank while every position of a
+    host shares the host's link). Collective."""
+    host = Probe(repeats=repeats, name="hvd_topk.probe.host", process_set=sets.host).run()
+    cross = Probe(repeats=repeats, name="hvd_topk.probe.cross", process_set=sets.cross).run()
+    return HostLink(sets.hosts, sets.per_host, host.alpha, host.beta, cross.alpha, cross.beta), \
+        host.wall_s + cross.wall_s
 
 
 class CollectiveSteps:

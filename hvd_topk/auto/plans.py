@@ -71,7 +71,7 @@ TRIAL_SPAN = 4.0
 
 
 class HostLink(NamedTuple):
-    """The two links of a job across equal hosts (``hvd_topk.auto.probe.probe_hosts``)."""
+    """The two links of a job across equal hosts (``hvd_topk.auto.decide.probe_hosts``)."""
     hosts: int              # H
     per_host: int           # L
     host_alpha: float       # s, within a host (probed over the host sets)

@@ -4,10 +4,11 @@ Every rank runs the same schedule. First a pass, ascending (the smallest size, t
 the largest; each size's second call timed), finds the first size whose agreed time is long enough for
 the bandwidth term to dominate the latency (50 ms and 4x the smallest's, or 100 ms): larger sizes would
 only cost time (a 4 MiB allreduce takes 0.7 s on 2 ranks behind 100 Mbit/s), so the ladder stops there.
-Then for each size of the ladder (4 B .. 4 MiB by default, largest first) one untimed warm-up call and
-``repeats`` timed calls of ``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor; the median
-time per size is kept. The ranks agree on the medians (averaged with an allreduce, then rank 0's copy
-broadcast, so the bits are identical everywhere). If the largest size took less than 4x the smallest, the bandwidth term is
+Then for each size of the ladder (4 B .. 4 MiB by default, largest first) ``repeats`` timed calls of
+``hvd.allreduce_`` (or ``hvd.broadcast_``) on a float32 tensor, after an untimed warm-up call, or with
+the pass's timed call of that size among them (two calls of 1 MiB fewer); the median time per size is
+kept. The ranks agree on the medians (averaged with an allreduce, then rank 0's copy broadcast: the bits
+are identical everywhere). If the largest size took less than 4x the smallest, the bandwidth term is
 drowned by latency and noise, so sizes x4 larger are added (up to ``max_bytes``), decided on the agreed
 times. A line ``t = a + b·bytes`` is fitted by ordinary least squares, rank 0's fit is broadcast, and
 the line is read through the cost model of the collective used (``hvd_topk.auto.costmodel``,
@@ -43,26 +44,22 @@ import torch
 
 from ..transports.collectives import agree, wait
 from ..core.validate import check_choice, check_int, check_number
-from .plans import HostLink
 
 __all__ = ["DEFAULT_SIZES", "DEFAULT_REPEATS", "DEFAULT_MAX_BYTES", "ProbeResult", "Probe",
-           "fit_line", "to_alpha_beta", "pass_sizes", "probe_hosts"]
+           "fit_line", "to_alpha_beta", "pass_sizes"]
 
-# 4 B .. 4 MiB in steps of x16: six sizes, 0.1-0.4 s in all on an unlimited loopback here (2 busy
-# cores), the x4 extension to 16 MiB included when it happens.
+# 4 B .. 4 MiB in steps of x16: 0.1-0.4 s in all on an unlimited loopback here (2 busy cores).
 DEFAULT_SIZES = (4, 64, 1024, 16384, 262144, 4194304)
 # Timed calls per size: the median of 5 shrugs off one or two calls slowed by the host.
 DEFAULT_REPEATS = 5
-# The x4 extension stops here: 16 MiB takes about 1.3 s per call on a 100 Mbit/s link, so the extension
-# cannot stall a slow link for long.
+# The x4 extension stops here: 16 MiB takes about 1.3 s per call on a 100 Mbit/s link.
 DEFAULT_MAX_BYTES = 16 << 20
 # Bytes of one element of the probe's messages (float32): sizes must be whole elements.
 _ELEMENT_BYTES = 4
 _PROBED = ("allreduce", "broadcast")
 # The largest message must take this many times the smallest's time, or the slope is noise.
 _MIN_SIGNAL = 4.0
-# Each extension multiplies the largest size by this: finer than the ladder's x16, so the probe stops
-# soon after the signal suffices.
+# Each extension multiplies the largest size by this: finer than the ladder's x16.
 _EXTENSION = 4
 # Untimed calls before the timed ones of a size: the first call of a name negotiates and allocates.
 _WARMUP_CALLS = 1
@@ -72,12 +69,11 @@ _WARMUP_CALLS = 1
 # (its bandwidth term's 0.13 s), so the ladder went on to 4 MiB, 0.5-0.9 s a call, in two of the probes.
 _ENOUGH_S = 0.05
 _ENOUGH_OVER_SMALLEST = 4
-# A call this long is the link's whatever the smallest took: one stalled small call (0.03-1 s across the
-# emulated hosts) must not send the ladder on to 4 MiB, after whose calls smaller ones stalled too.
+# A call this long is the link's whatever the smallest took (one stalled small call must not send the
+# ladder on to 4 MiB).
 _ENOUGH_ALONE_S = 0.1
-# The pass's sizes above the smallest: x4 from here. Not smaller: one call stalled by the host or by a
-# retransmission timeout (200 ms) would then stop the ladder among latency-bound sizes, whose line has
-# no slope (the likely cause of a beta of 0 in one run across emulated hosts).
+# The pass's sizes above the smallest: x4 from here. Not smaller: one stalled call would then stop the
+# ladder among latency-bound sizes, whose line has no slope (a beta of 0 once, across emulated hosts).
 _PASS_FROM = 1 << 20
 
 
@@ -197,6 +193,7 @@ class Probe:
         self.process_set = hvd.global_process_set if process_set is None else process_set
         # Outcome of the last run, None before the first
         self.result = None
+        self._passed = {}                   # size -> [this rank's timed call of the pass], for the ladder
 
     def run(self):
         """Probe now (collective: every rank calls it at the same point) and return a ``ProbeResult``.
@@ -211,6 +208,7 @@ class Probe:
             return self.result
         # One small call lines the ranks up, so that no rank times the others' late arrival.
         wait(hvd.allreduce_async_(torch.zeros(1), op=hvd.Sum, name=f"{self.name}.align"))
+        self._passed = {}
         top = self._enough_size()
         sizes = [s for s in self.sizes if s < top] + [top]
         # Largest first: a token bucket's burst allowance (tc tbf, cloud NIC credits) is then spent in
@@ -237,19 +235,26 @@ class Probe:
         if not sizes:
             return self.sizes[-1]
         low = self.sizes[0]
-        self._call_s(low)                   # a name's first call negotiates: the smallest's time is its second
-        smallest = self._agree([self._call_s(low)], f"pass.{low}")[0]
+        smallest = self._agree([self._pass_call_s(low)], f"pass.{low}")[0]
         enough = max(_ENOUGH_S, _ENOUGH_OVER_SMALLEST * smallest)
         for size in sizes:
-            self._call_s(size)
-            if self._agree([self._call_s(size)], f"pass.{size}")[0] >= min(enough, _ENOUGH_ALONE_S):
+            if self._agree([self._pass_call_s(size)], f"pass.{size}")[0] >= min(enough, _ENOUGH_ALONE_S):
                 return size
         return self.sizes[-1]
 
+    def _pass_call_s(self, size):
+        """The second of two calls of ``size`` (a name's first call negotiates), kept for the ladder."""
+        self._call_s(size)
+        self._passed[size] = [self._call_s(size)]
+        return self._passed[size][0]
+
     def _median_s(self, size):
-        """Median seconds of ``repeats`` calls of ``size`` bytes, after the untimed warm-up call."""
-        times = [self._call_s(size) for _ in range(_WARMUP_CALLS + self.repeats)]
-        return statistics.median(times[_WARMUP_CALLS:])
+        """Median seconds of ``repeats`` calls of ``size`` bytes: the pass's, then more after the untimed
+        warm-up call where the pass made none."""
+        times = self._passed.pop(size, [])
+        for _ in range(0 if times else _WARMUP_CALLS):
+            self._call_s(size)
+        return statistics.median(times + [self._call_s(size) for _ in range(self.repeats - len(times))])
 
     def _call_s(self, size):
         """Seconds of one call of ``size`` bytes, waited for as the transports wait (``wait``, not
@@ -264,17 +269,6 @@ class Probe:
     def _agree(self, values, key, average=True):
         """``values`` averaged over the ranks (or rank 0's): identical bits everywhere."""
         return agree(values, f"{self.name}.{key}", average)
-
-
-def probe_hosts(sets, repeats=DEFAULT_REPEATS):
-    """(the ``HostLink`` of a job across equal hosts, the seconds its two probes took on rank 0): α and β
-    over every host's set at once (``hvd_topk.transports.host_sets.HostSets``), then over every cross
-    set at once, as hierarchical's phases run (so the cross β is per rank while every position of a
-    host shares the host's link). Collective."""
-    host = Probe(repeats=repeats, name="hvd_topk.probe.host", process_set=sets.host).run()
-    cross = Probe(repeats=repeats, name="hvd_topk.probe.cross", process_set=sets.cross).run()
-    return HostLink(sets.hosts, sets.per_host, host.alpha, host.beta, cross.alpha, cross.beta), \
-        host.wall_s + cross.wall_s
 
 
 def pass_sizes(ladder):
