@@ -12,6 +12,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Environment variables that change what a run measures: the default command starts with those set, so
+# that it reproduces the run (``HVD_TOPK_SPIN_WAIT=1 python -m bench run ...``). Horovod's own too.
+MEASURED_ENV = ("HVD_TOPK_SPIN_WAIT",)
+MEASURED_ENV_PREFIXES = ("HOROVOD_",)
 
 
 def git_commit(root=ROOT):
@@ -58,14 +62,17 @@ def machine():
 
 
 def manifest(command=None):
-    """The manifest as a dict: commit, command (this process's argv by default), UTC date, machine."""
+    """The manifest as a dict: commit, command (this process's argv by default, after the
+    ``MEASURED_ENV`` variables that are set), UTC date, machine."""
     if command is None:
         argv = list(sys.argv)
         if argv and argv[0].endswith(".py"):   # python -m bench: argv[0] is bench/__main__.py
             rel = os.path.relpath(os.path.abspath(argv[0]), ROOT)
             module = rel[:-3].replace(os.sep, ".").removesuffix(".__main__")
             argv[0] = ("-m " + module) if rel.startswith("bench") else rel
-        command = "python " + " ".join([argv[0]] + [shlex.quote(a) for a in argv[1:]])
+        env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+               if k in MEASURED_ENV or k.startswith(MEASURED_ENV_PREFIXES)]
+        command = " ".join(env + ["python", argv[0]] + [shlex.quote(a) for a in argv[1:]])
     return {"commit": git_commit(), "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "machine": machine()}
