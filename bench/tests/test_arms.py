@@ -44,7 +44,8 @@ def test_every_arm_builds_and_steps(one_rank, name):
     assert not all(torch.equal(p, q) for p, q in zip(arm.model.parameters(), reference.parameters())), name
     assert all(torch.isfinite(p).all() for p in arm.model.parameters())
     assert hasattr(arm.opt, "stats") == name.startswith("hvd_topk")
-    assert (arm.powersgd_state is not None) == name.startswith(("ddp powersgd", "ddp fp16 powersgd"))     # torch's hook's state
+    # torch's hook's state
+    assert (arm.powersgd_state is not None) == name.startswith(("ddp powersgd", "ddp fp16 powersgd"))
 
 
 def test_overrides_reach_topkef_and_the_optimizer(one_rank):

@@ -164,8 +164,9 @@ class Probe:
         collective: ``"allreduce"`` (ring model) or ``"broadcast"`` (tree model, root 0).
         name: prefix of the Horovod collective names (identical on every rank).
         process_set: the ranks of one probe, the global set by default. Another set probes that set's
-            link (``probe_hosts``): every rank runs the same schedule over its own set at once, the
-            ranks agree over all sets, so the numbers are the sets' average. allreduce only.
+            link (``hvd_topk.auto.decide.probe_hosts``): every rank runs the same schedule over its own
+            set at once, the ranks agree over all sets, so the numbers are the sets' average. allreduce
+            only.
 
     Example (every rank gets the same res.alpha and res.beta):
         >>> probe = Probe(repeats=3)
@@ -185,11 +186,8 @@ class Probe:
         if process_set is not None and process_set is not hvd.global_process_set and collective != "allreduce":
             raise ValueError(f"a probe over a process set uses collective='allreduce', got {collective!r}")
         # Schedule (identical on every rank)
-        self.sizes = tuple(sorted(set(sizes)))
-        self.repeats = repeats
-        self.max_bytes = max_bytes
-        self.collective = collective
-        self.name = name
+        self.sizes, self.repeats, self.max_bytes = tuple(sorted(set(sizes))), repeats, max_bytes
+        self.collective, self.name = collective, name
         self.process_set = hvd.global_process_set if process_set is None else process_set
         # Outcome of the last run, None before the first
         self.result = None
@@ -226,11 +224,9 @@ class Probe:
         return self.result
 
     def _enough_size(self):
-        """The first size of the pass (``pass_sizes``, ascending) whose agreed time reaches ``_ENOUGH_S``
-        and ``_ENOUGH_OVER_SMALLEST`` times the smallest's, or ``_ENOUGH_ALONE_S``; the ladder's largest if
-        none does. Each size's time is its second call's: the first negotiates, and on a link with a burst
-        allowance (tc tbf's 1 MB here) it passes 1 MiB at line rate, which sent the ladder on to 4 MiB
-        (0.5 s a call across 2 emulated hosts) although 1 MiB takes 0.12 s there once it is spent."""
+        """The first size of the pass (``pass_sizes``, ascending) whose agreed time (``_pass_call_s``)
+        reaches ``_ENOUGH_S`` and ``_ENOUGH_OVER_SMALLEST`` times the smallest's, or ``_ENOUGH_ALONE_S``;
+        the ladder's largest if none does."""
         sizes = pass_sizes(self.sizes)
         if not sizes:
             return self.sizes[-1]
@@ -243,7 +239,8 @@ class Probe:
         return self.sizes[-1]
 
     def _pass_call_s(self, size):
-        """The second of two calls of ``size`` (a name's first call negotiates), kept for the ladder."""
+        """The second of two calls of ``size``, kept for the ladder: the first negotiates, and on a link
+        with a burst allowance (tc tbf's 1 MB) passes 1 MiB at line rate (it sent the ladder on to 4 MiB)."""
         self._call_s(size)
         self._passed[size] = [self._call_s(size)]
         return self._passed[size][0]
@@ -257,13 +254,16 @@ class Probe:
         return statistics.median(times + [self._call_s(size) for _ in range(self.repeats - len(times))])
 
     def _call_s(self, size):
-        """Seconds of one call of ``size`` bytes, waited for as the transports wait (``wait``, not
-        Horovod's spin: 4 B took up to 1 s where 4 ranks spun on 2 cores, across 2 emulated hosts)."""
+        """Seconds of one call of ``size`` bytes, waited for as the transports wait (``wait``: Horovod's
+        spin made calls of 4 B take up to 1 s where 4 ranks shared 2 cores)."""
         buf = torch.zeros(size // _ELEMENT_BYTES, dtype=torch.float32)
         t0 = time.perf_counter()
-        wait(hvd.allreduce_async_(buf, op=hvd.Sum, name=f"{self.name}.allreduce.{size}", process_set=self.process_set)
-             if self.collective == "allreduce"      # one name per size: Horovod's cache serves repeats
-             else hvd.broadcast_async_(buf, root_rank=0, name=f"{self.name}.broadcast.{size}"))
+        if self.collective == "allreduce":      # one name per size: Horovod's cache serves repeats
+            handle = hvd.allreduce_async_(buf, op=hvd.Sum, name=f"{self.name}.allreduce.{size}",
+                                          process_set=self.process_set)
+        else:
+            handle = hvd.broadcast_async_(buf, root_rank=0, name=f"{self.name}.broadcast.{size}")
+        wait(handle)
         return time.perf_counter() - t0
 
     def _agree(self, values, key, average=True):

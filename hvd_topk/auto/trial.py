@@ -7,11 +7,11 @@ applies the verdict (docs/auto.md).
 The plans on trial (``hvd_topk.auto.plans.trial_plans``: the model's plan and every uniform plan modelled
 within 4x of it) take turns, ``trial_steps`` steps at a time (A B C A B C ...: a slow spell of the host
 falls on every plan, not on one). The first step of each turn and the whole first round (each
-transport's first use: buffers allocated, index pipeline started; turns of 2 steps) are not counted. After every round
-the ranks agree on each plan's mean counted step of that round; from round ``trial_rounds`` on, with R
-counted rounds, each plan is compared with the fastest so far through the paired differences d of their
-rounds (relative to the fastest's mean; t = Student's t quantile 0.975 with R - 1 degrees of freedom,
-m = ``trial_margin``, 5% by default)::
+transport's first use: buffers allocated, index pipeline started; turns of 2 steps) are not counted.
+After every round the ranks agree on each plan's mean counted step of that round; from round
+``trial_rounds`` on, with R counted rounds, each plan is compared with the fastest so far through the
+paired differences d of their rounds (relative to the fastest's mean; t = Student's t quantile 0.975
+with R - 1 degrees of freedom, m = ``trial_margin``, 5% by default)::
 
     mean(d) - t * sd(d) / sqrt(R) > m      the plan is slower by more than m: it leaves the trial
     mean(d) + m > t * sd(d) / sqrt(R)      the plan is not faster than the fastest by more than m
