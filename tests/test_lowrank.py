@@ -153,6 +153,12 @@ def test_one_allreduce_per_phase_and_dtype(results, np):
         ["lowrank.mixed.P.float32", "lowrank.mixed.P.float64", "lowrank.mixed.Q.float32", "lowrank.mixed.Q.float64"]
 
 
+def exchanged(label, np):
+    """The collectives that sum a float16 buffer on ``np`` ranks (``lowrank_wire._sum_by_exchange``): one
+    allgather on 2 ranks; on more, the shards' alltoall, then their sums' allgather."""
+    return [label] if np == 2 else [f"{label}.scatter", f"{label}.gather"]
+
+
 @pytest.mark.jobs(*JOBS.values())
 @pytest.mark.parametrize("np", (2, 3))
 def test_16_bit_wire_halves_the_bytes_and_resends_an_overflow(results, np):
@@ -162,10 +168,11 @@ def test_16_bit_wire_halves_the_bytes_and_resends_an_overflow(results, np):
     float16 sums overflow, are summed again in float32, and no step is skipped."""
     res = results(JOBS[np])[0]
     names = [[name for name, _ in launched] for launched in res["wire16"]["launches"]]
+    p16, q16 = (exchanged(f"lowrank.wire16.{phase}.float16", np) for phase in "PQ")
     assert names[0] == ["lowrank.wire16.P.float32", "lowrank.wire16.Q.float32"]
-    assert names[1] == ["lowrank.wire16.P.float16", "lowrank.wire16.P.float32", "lowrank.wire16.Q.float16"]
-    assert names[JUMP_STEP] == names[1][:2] + ["lowrank.wire16.P.resend.float32", "lowrank.wire16.Q.float16",
-                                                  "lowrank.wire16.Q.resend.float32"]
+    assert names[1] == ["lowrank.wire16.P.float32"] + p16 + q16
+    assert names[JUMP_STEP] == ["lowrank.wire16.P.float32"] + p16 + ["lowrank.wire16.P.resend.float32"] + q16 + \
+        ["lowrank.wire16.Q.resend.float32"]
     assert all(n == names[1] for i, n in enumerate(names[1:], 1) if i != JUMP_STEP)
     assert [name for launched in res["wire32"]["launches"] for name, _ in launched] == \
         ["lowrank.wire32.P.float32", "lowrank.wire32.Q.float32"] * STEPS
@@ -245,6 +252,34 @@ def test_through_the_hosts_as_the_flat_transport(results):
                             ("lowrank.hosts.P.float64.gather", -(-p_numel // 2))]
     assert [name for name, _ in launches[3:]] == [f"lowrank.hosts.Q.float64.{phase}" for phase in
                                                  ("scatter", "cross", "gather")]
+
+
+@pytest.mark.slow
+@pytest.mark.jobs(HOSTS)
+def test_16_bit_wire_through_the_hosts(results):
+    """values='fp16' through the hosts: each float16 phase summed by exchange (the host's alltoall, the
+    cross allgather of the host sums, the host's allgather), identical bit for bit on every rank, error
+    feedback exact, within 1% of the flat float32 wire's aggregates, fc's overflow at JUMP_STEP summed
+    again in float32 through the hosts, no step skipped."""
+    res = results(HOSTS)
+    ranks = ranks_of(res, "wire16_hosts")
+    for records, flat32 in zip(zip(*ranks), res[0]["wire32"]["records"]):
+        aggregates = [r["aggregate"] for r in records]
+        assert aggregates[0] is not None and all(torch.equal(a, aggregates[0]) for a in aggregates)
+        residuals = sum(torch.zeros_like(aggregates[0], dtype=torch.float64) if r["residual"] is None
+                        else r["residual"].double() for r in records)
+        total = sum(r["acc"].double() for r in records)
+        torch.testing.assert_close(residuals + 4 * aggregates[0].double(), total, rtol=0,
+                                   atol=1e-5 * max(1.0, float(total.abs().max())))
+        gap = (aggregates[0] - flat32["aggregate"]).norm() / flat32["aggregate"].norm()
+        assert gap < 1e-2, (records[0]["step"], records[0]["key"], float(gap))
+    names = [[name for name, _ in launched] for launched in res[0]["wire16_hosts"]["launches"]]
+    through = [f"lowrank.wire16_hosts.P.float32.{phase}" for phase in ("scatter", "cross", "gather")]
+    p16, q16 = ([f"lowrank.wire16_hosts.{phase}.float16.{step}" for step in ("scatter", "cross", "gather")]
+                for phase in "PQ")
+    assert names[1] == through + p16 + q16
+    assert names[JUMP_STEP] == through + p16 + [name.replace("P.", "P.resend.") for name in through] + q16 + \
+        [name.replace("P.float32", "Q.resend.float32") for name in through]
 
 
 @pytest.mark.jobs(*JOBS.values())

@@ -17,6 +17,14 @@ alike while the finite flags are clear; the transport then sums that tensor agai
 ``sum_phase`` sums one phase (``sum_end_to_end``: one in-place allreduce per wire dtype, the tensors
 laid end to end; ``sum_across_hosts``: the same through a job's hosts, ``communication='hierarchical'``).
 
+float16 is summed by exchange, not by Horovod's sum: Horovod adds float16 one element at a time in
+software (Gloo's and its own MPI reduction), so on 2 ranks of a 2-core CPU machine a float16 allreduce
+of 0.5M values took 8.6-13.6 ms, 3x float32's 2.5-4.3 ms, where an allgather of the same float16 values
+took 1.1-1.8 ms. Each rank therefore receives the float16 pieces it must add (an allgather on 2 ranks, an
+alltoall of the shards on more) and adds them in float32 in rank order, which gives every rank the same
+bits and sends what a ring allreduce sends; on more than 2 ranks each shard's sum is allgathered in
+float16 again. Across hosts only the host's sum crosses, in float16.
+
 Error feedback stays exact: each rank's residual is M_i - P Q^T from the decoded sums, whatever their
 rounding (``hvd_topk.core.lowrank``), so Σ residuals + W·P Q^T = Σ M_i holds for the numbers used.
 """
@@ -98,12 +106,53 @@ def sum_phase(entries, name, process_set, hosts=None):
 
 def sum_end_to_end(tensors, name, process_set):
     """(the ranks' sums of ``tensors``, [(collective name, numel)]): one in-place allreduce per dtype
-    of the tensors laid end to end in their order, all started before any is waited for."""
-    handles, launches = [], []
+    of the tensors laid end to end in their order, all started before any is waited for; float16 by
+    exchange (``_sum_by_exchange``), while the others' allreduces are in flight."""
+    handles, launches, exchanged = [], [], []
     for indices, flat, label in _flat_by_dtype(tensors, name):
+        if flat.dtype == torch.float16:
+            exchanged.append((indices, flat, label))
+            continue
         launches.append((label, flat.numel()))
         handles.append((indices, mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=label, process_set=process_set)))
-    return _split_sums(tensors, [(indices, wait(handle)) for indices, handle in handles]), launches
+    buffers = [(indices, _sum_by_exchange(flat, process_set, label, launches)) for indices, flat, label in exchanged]
+    return _split_sums(tensors, buffers + [(indices, wait(handle)) for indices, handle in handles]), launches
+
+
+def _added(rows):
+    """The float32 sum of ``rows`` (a rank's piece per row), added one row after the other: the same bits
+    on every rank that adds the same rows."""
+    total = rows[0].to(torch.float32, copy=True)
+    for row in rows[1:]:
+        total.add_(row.to(torch.float32))
+    return total
+
+
+def _scatter_by_exchange(flat, process_set, label, launches):
+    """This rank's shard (float32) of the ranks' sum of the float16 ``flat``, padded to a multiple of
+    the ranks: one alltoall sends each shard to the rank that owns it, which adds them in rank order."""
+    size = process_set.size()
+    shard = -(-flat.numel() // size)
+    padded = torch.cat([flat, flat.new_zeros(shard * size - flat.numel())])
+    launches.append((label, padded.numel()))
+    received, _ = wait(mpi_ops.alltoall_async(padded, splits=torch.full((size,), shard, dtype=torch.int32),
+                                              name=label, process_set=process_set))
+    return _added(received.view(size, shard))
+
+
+def _sum_by_exchange(flat, process_set, label, launches):
+    """The ranks' sum of the float16 ``flat``, in float32, the same bits on every rank, with the bytes of
+    a ring allreduce: on 2 ranks one allgather, each adding [rank 0's, rank 1's]; on more, each shard
+    summed by its owner (``_scatter_by_exchange``) and allgathered in float16 (a shard that overflows
+    float16 arrives as inf, which ``needs_resend`` sees)."""
+    if process_set.size() <= 2:
+        launches.append((label, flat.numel()))
+        gathered = wait(mpi_ops.allgather_async(flat, name=label, process_set=process_set))
+        return _added(gathered.view(process_set.size(), flat.numel()))
+    shard = _scatter_by_exchange(flat, process_set, f"{label}.scatter", launches)
+    launches.append((f"{label}.gather", shard.numel()))
+    gathered = wait(mpi_ops.allgather_async(shard.to(torch.float16), name=f"{label}.gather", process_set=process_set))
+    return gathered[:flat.numel()].to(torch.float32)
 
 
 def _flat_by_dtype(tensors, name):
@@ -128,20 +177,37 @@ def sum_across_hosts(tensors, name, hosts):
     """``sum_end_to_end`` over ``hosts`` (``host_sets.HostSets``): per dtype, the buffer (padded to a
     multiple of the ranks per host) is reduce-scattered inside the host, each rank's shard allreduced
     over its cross set, and the shards allgathered inside the host: every rank ends with the same sums,
-    bit for bit (each shard's sum is one allreduce's, copied to the whole host)."""
-    phases, launches = [], []
+    bit for bit (each shard's sum is one allreduce's, copied to the whole host). float16 takes the same
+    three steps by exchange (``_across_hosts_by_exchange``), while the others' are in flight."""
+    phases, launches, exchanged = [], [], []
     for indices, flat, label in _flat_by_dtype(tensors, name):
+        if flat.dtype == torch.float16:
+            exchanged.append((indices, flat, label))
+            continue
         shard = -(-flat.numel() // hosts.per_host)
         padded = torch.cat([flat, flat.new_zeros(shard * hosts.per_host - flat.numel())])
         launches += [(f"{label}.scatter", padded.numel()), (f"{label}.cross", shard), (f"{label}.gather", shard)]
         phases.append((indices, flat.numel(), label, mpi_ops.reducescatter_async(
             padded, name=f"{label}.scatter", op=mpi_ops.Sum, process_set=hosts.host)))
+    buffers = [(indices, _across_hosts_by_exchange(flat, hosts, label, launches))
+               for indices, flat, label in exchanged]
     crossed = [(indices, numel, label, mpi_ops.allreduce_async_(wait(handle), op=mpi_ops.Sum, name=f"{label}.cross",
                                                                 process_set=hosts.cross))
                for indices, numel, label, handle in phases]
     gathered = [(indices, numel, mpi_ops.allgather_async(wait(handle), name=f"{label}.gather", process_set=hosts.host))
                 for indices, numel, label, handle in crossed]
-    return _split_sums(tensors, [(indices, wait(handle)[:numel]) for indices, numel, handle in gathered]), launches
+    return _split_sums(tensors, buffers + [(indices, wait(handle)[:numel]) for indices, numel, handle in gathered]), \
+        launches
+
+
+def _across_hosts_by_exchange(flat, hosts, label, launches):
+    """The job's sum of the float16 ``flat`` through ``hosts``, in float32: the host's shard summed by
+    its owner (``_scatter_by_exchange``), sent across the hosts in float16 (``_sum_by_exchange``: only
+    the host's sum crosses, at 2 bytes a value), and the shards allgathered inside the host in float32."""
+    host_shard = _scatter_by_exchange(flat, hosts.host, f"{label}.scatter", launches)
+    crossed = _sum_by_exchange(host_shard.to(torch.float16), hosts.cross, f"{label}.cross", launches)
+    launches.append((f"{label}.gather", crossed.numel()))
+    return wait(mpi_ops.allgather_async(crossed, name=f"{label}.gather", process_set=hosts.host))[:flat.numel()]
 
 
 def _sum(tensors, name, process_set, hosts):

@@ -16,7 +16,8 @@ linear weight, a bias, a matrix too thin to shrink twofold):
   outside it run nothing.
 - ``hosts`` and ``flat`` (with ``--hosts L``: the ranks as hosts of L, their host and cross sets
   registered at ``hvd.init``): ``main``'s steps and NaN with the sums taken through the hosts, and the
-  same data with the flat transport beside it.
+  same data with the flat transport beside it; ``wire16_hosts``: ``wire16``'s data, steps and jump
+  through the hosts.
 
 Every rank starts the keys in its own order (rotated by its rank, reversed on odd ranks) and finishes
 them in yet another, so a transport that ran collectives in start or finish order would hang. Writes
@@ -54,8 +55,9 @@ hvd.init(process_sets=([pair] if pair else []) + host_sets or None)
 torch.set_num_threads(1)
 SHAPES = {"conv": (6, 3, 3, 3), "fc": (20, 12), "bias": (20,), "thin": (3, 40)}
 KEYS = sorted(SHAPES)
-DATA = {"main": 0, "resume": 0, "sum": 1, "mixed": 2, "set": 3, "hosts": 0, "flat": 0, "wire16": 4, "wire32": 4}
-VALUES = {"wire16": "fp16"}                           # the others 'fp32', the default
+DATA = {"main": 0, "resume": 0, "sum": 1, "mixed": 2, "set": 3, "hosts": 0, "flat": 0, "wire16": 4, "wire32": 4,
+        "wire16_hosts": 4}
+VALUES = {"wire16": "fp16", "wire16_hosts": "fp16"}                           # the others 'fp32', the default
 
 
 def build(scenario, average, process_set, hosts=None):
@@ -138,6 +140,8 @@ result = {"size": hvd.size(), "orders": [orders(step) for step in range(args.ste
 if args.hosts:
     result["hosts"] = run("hosts", steps=args.steps, hosts=emulated_hosts())
     result["flat"] = run("flat", steps=args.steps)
+    result["wire16_hosts"] = run("wire16_hosts", steps=args.steps, dtypes=dict.fromkeys(KEYS, torch.float32),
+                                 hosts=emulated_hosts())
 if pair is not None:
     result["set"] = run("set", process_set=pair) if pair.included() else None
     hvd.barrier()          # a rank that left early would shut Horovod down under the set's ranks
