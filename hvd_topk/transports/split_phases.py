@@ -107,8 +107,7 @@ def gathered(sr, name, items):
         if candidates.numel() > most:
             chosen = topk_indices(sums, most)
             candidates, sums = candidates[chosen], sums[chosen]
-        aggregate = torch.zeros(n, dtype=acc.dtype, device=acc.device)
-        aggregate[candidates.to(acc.device)] = sums.to(acc.device)
+        aggregate = _aggregate(sr, n, candidates, sums, acc)
         if sr.stats is not None:
             sr.stats.add_split(candidates.numel(), candidates.numel() / ps.size(), ps.size(), 0)
         outcomes[key] = sr._outcome(item, aggregate, candidates, decoded[key])
@@ -206,18 +205,15 @@ def _keep(sr, keys, items, starts, total, hist, reduced):
 
 
 def _assemble(sr, keys, items, starts, total, gathered_buf, kept, decoded, row_ints):
-    """Phase 3's end: the bucket's aggregate from the owners' messages, in owner order; each key's part."""
+    """Phase 3's end: each key's aggregate from its entries in the owners' messages (each index from its
+    single owner), built in the key's own dtype; no buffer, copy or sort of the bucket's size."""
     t0, ranks, kinds = time.perf_counter(), sr.collectives.process_set.size(), kinds_of(items)
-    aggregates = {kind: torch.zeros(total, dtype=wire_dtype(kind)) for kind in kinds}
-    indices, at = {kind: [] for kind in kinds}, 0
+    messages, at = {kind: [] for kind in kinds}, 0
     for _ in range(ranks):
         for kind in kinds:
             size = message_nbytes(gathered_buf[at:], total)
-            values, where = unpack(gathered_buf[at:at + size], 0, total)
-            aggregates[kind][where] = values                # each index from its single owner: copied
-            indices[kind].append(where)
+            messages[kind].append(unpack(gathered_buf[at:at + size], 0, total))
             at += size
-    indices = {kind: torch.cat(found).sort().values for kind, found in indices.items()}
     outcomes = {}
     for i, key in enumerate(keys):
         item = items[key]
@@ -225,8 +221,10 @@ def _assemble(sr, keys, items, starts, total, gathered_buf, kept, decoded, row_i
         if kept[key] is None:
             outcomes[key] = Outcome(None, None)
             continue
-        mine = indices[item["kind"]][_key_slice(indices[item["kind"]], starts[i], n)] - starts[i]
-        aggregate = aggregates[item["kind"]][starts[i]:starts[i] + n].to(device=acc.device, dtype=acc.dtype, copy=True)
+        parts = [(values[part], where[part]) for values, where in messages[item["kind"]]
+                 for part in [_key_slice(where, starts[i], n)]]
+        mine = torch.cat([where for _, where in parts]) - starts[i]
+        aggregate = _aggregate(sr, n, mine, torch.cat([values for values, _ in parts]), acc)
         if sr.stats is not None:
             sr.stats.add_split(mine.numel(), sr.regions.largest_share(key, mine), ranks,
                                4 * row_ints + kept[key][0].numel() * CODEC_ENTRY_BYTES[item["kind"]])
@@ -235,6 +233,17 @@ def _assemble(sr, keys, items, starts, total, gathered_buf, kept, decoded, row_i
         outcomes[key] = sr._outcome(item, aggregate, mine, decoded[key], owned_rounding)
     _add(sr, "unpack", t0)
     return outcomes
+
+
+def _aggregate(sr, n, indices, sums, like):
+    """The n-element aggregate of ``like``'s dtype and device holding ``sums`` at ``indices``, averaged
+    over the ranks if asked: the kept sums are scaled, not the n elements (the same products)."""
+    sums = sums.to(device=like.device, dtype=like.dtype)
+    if sr.average:
+        sums = sums * (1.0 / sr.collectives.process_set.size())
+    aggregate = torch.zeros(n, dtype=like.dtype, device=like.device)
+    aggregate[indices.to(like.device)] = sums
+    return aggregate
 
 
 def _add(sr, part, t0, nbytes=0):

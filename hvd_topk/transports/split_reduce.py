@@ -90,12 +90,10 @@ class SplitReduce:
         return (yield from owned(self, name, items))
 
     def _outcome(self, item, aggregate, kept_indices, decoded, owned=None):
-        """The Outcome: the aggregate (averaged if asked), this rank's kept entries (``sent``), its nominated
-        ones, and with 16-bit values its residual: ``acc - decoded`` at the kept entries it sent, and as
-        owner (``owned``: the indices it kept and the rounding of their coded sums) that rounding."""
+        """The Outcome: the ``aggregate`` (already averaged if asked), this rank's kept entries (``sent``),
+        its nominated ones, and with 16-bit values its residual: ``acc - decoded`` at the kept entries it
+        sent, and as owner (``owned``: the indices it kept and the rounding of their coded sums) that rounding."""
         acc, sel = item["acc"], item["sel"]
-        if self.average:
-            aggregate.mul_(1.0 / self.collectives.process_set.size())
         kept = torch.zeros(acc.numel(), dtype=torch.bool, device=acc.device)
         kept[kept_indices.to(acc.device)] = True
         mine = kept[sel]
