@@ -258,7 +258,7 @@ def test_through_the_hosts_as_the_flat_transport(results):
 @pytest.mark.jobs(HOSTS)
 def test_16_bit_wire_through_the_hosts(results):
     """values='fp16' through the hosts: each float16 phase summed by exchange (the host's alltoall, the
-    cross allgather of the host sums, the host's allgather), identical bit for bit on every rank, error
+    cross allgather of the host's float32 sums in float16, the host's allgather), identical bit for bit on every rank, error
     feedback exact, within 1% of the flat float32 wire's aggregates, fc's overflow at JUMP_STEP summed
     again in float32 through the hosts, no step skipped."""
     res = results(HOSTS)
@@ -274,12 +274,13 @@ def test_16_bit_wire_through_the_hosts(results):
         gap = (aggregates[0] - flat32["aggregate"]).norm() / flat32["aggregate"].norm()
         assert gap < 1e-2, (records[0]["step"], records[0]["key"], float(gap))
     names = [[name for name, _ in launched] for launched in res[0]["wire16_hosts"]["launches"]]
-    through = [f"lowrank.wire16_hosts.P.float32.{phase}" for phase in ("scatter", "cross", "gather")]
-    p16, q16 = ([f"lowrank.wire16_hosts.{phase}.float16.{step}" for step in ("scatter", "cross", "gather")]
-                for phase in "PQ")
-    assert names[1] == through + p16 + q16
-    assert names[JUMP_STEP] == through + p16 + [name.replace("P.", "P.resend.") for name in through] + q16 + \
-        [name.replace("P.float32", "Q.resend.float32") for name in through]
+
+    def through(label, *dtypes):                # each step started for every dtype before the next step
+        return [f"lowrank.wire16_hosts.{label}.{dtype}.{step}" for step in ("scatter", "cross", "gather")
+                for dtype in dtypes]
+    assert names[1] == through("P", "float16", "float32") + through("Q", "float16")
+    assert names[JUMP_STEP] == through("P", "float16", "float32") + through("P.resend", "float32") + \
+        through("Q", "float16") + through("Q.resend", "float32")
 
 
 @pytest.mark.jobs(*JOBS.values())

@@ -7,6 +7,7 @@
   whether some rank's accumulator was non-finite.
 - ``agree``: numbers every rank holds bit for bit, for decisions that must be identical everywhere.
 - ``wait``: Horovod's ``synchronize`` without its busy wait.
+- ``reduce_scatter_async`` / ``reduce_scatter_wait``: a sum's reduce-scatter as an alltoall and adds.
 """
 import os
 import time
@@ -15,7 +16,8 @@ from typing import NamedTuple
 import torch
 from horovod.torch import mpi_ops
 
-__all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait"]
+__all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait", "reduce_scatter_async",
+           "reduce_scatter_wait"]
 
 # wait()'s sleeps between polls: an eighth of the time waited so far, from 20 us to at most 1 ms, so that
 # a short wait ends soon after its collective and a long one wakes 1,000 times a second. Not at most
@@ -40,6 +42,31 @@ def wait(handle):
     while not _SPIN and not mpi_ops.poll(handle):
         time.sleep(min(max(_FIRST_SLEEP_S, (time.monotonic() - start) / 8), _LONGEST_SLEEP_S))
     return mpi_ops.synchronize(handle)
+
+
+def reduce_scatter_async(padded, name, process_set):
+    """Start the ranks' sum of ``padded`` (a multiple of ``process_set``'s size long) scattered in equal
+    shards, shard j to the set's j-th rank; ``reduce_scatter_wait`` ends it.
+
+    Why not Horovod's ``reducescatter``: on Gloo it took 1.5-3x the time of an alltoall of the shards
+    and the adds (2 ranks of a 2-core machine, 4M float32: 54-59 ms against 20-22 ms), and it adds
+    float16 in software. The alltoall sends what a ring reduce-scatter sends."""
+    size = process_set.size()
+    splits = torch.full((size,), padded.numel() // size, dtype=torch.int32)
+    return mpi_ops.alltoall_async(padded, splits=splits, name=name, process_set=process_set), size
+
+
+def reduce_scatter_wait(started):
+    """This rank's shard of the sum ``reduce_scatter_async`` started: the ranks' pieces added in rank
+    order (so the ranks that add the same pieces get the same bits), 16-bit ones in float32."""
+    handle, size = started
+    received, _ = wait(handle)
+    rows = received.view(size, -1)
+    wide = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
+    total = rows[0].to(wide, copy=True)
+    for row in rows[1:]:
+        total.add_(row.to(wide))
+    return total
 
 
 class Reduction(NamedTuple):

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from horovod.torch import mpi_ops
 
-from .collectives import flag_raised, wait
+from .collectives import flag_raised, reduce_scatter_async, reduce_scatter_wait, wait
 from ..core.wire import LOWRANK_VALUE_BYTES
 
 __all__ = ["VALUES", "scale_for", "encode", "decode", "needs_resend", "largest", "sum_phase", "sum_end_to_end",
@@ -129,15 +129,12 @@ def _added(rows):
 
 
 def _scatter_by_exchange(flat, process_set, label, launches):
-    """This rank's shard (float32) of the ranks' sum of the float16 ``flat``, padded to a multiple of
-    the ranks: one alltoall sends each shard to the rank that owns it, which adds them in rank order."""
-    size = process_set.size()
-    shard = -(-flat.numel() // size)
-    padded = torch.cat([flat, flat.new_zeros(shard * size - flat.numel())])
+    """This rank's shard of the ranks' sum of ``flat`` (``reduce_scatter_async``; float16 added in
+    float32), padded to a multiple of the ranks."""
+    shard = -(-flat.numel() // process_set.size())
+    padded = torch.cat([flat, flat.new_zeros(shard * process_set.size() - flat.numel())])
     launches.append((label, padded.numel()))
-    received, _ = wait(mpi_ops.alltoall_async(padded, splits=torch.full((size,), shard, dtype=torch.int32),
-                                              name=label, process_set=process_set))
-    return _added(received.view(size, shard))
+    return reduce_scatter_wait(reduce_scatter_async(padded, label, process_set))
 
 
 def _sum_by_exchange(flat, process_set, label, launches):
@@ -175,39 +172,34 @@ def _split_sums(tensors, buffers):
 
 def sum_across_hosts(tensors, name, hosts):
     """``sum_end_to_end`` over ``hosts`` (``host_sets.HostSets``): per dtype, the buffer (padded to a
-    multiple of the ranks per host) is reduce-scattered inside the host, each rank's shard allreduced
-    over its cross set, and the shards allgathered inside the host: every rank ends with the same sums,
-    bit for bit (each shard's sum is one allreduce's, copied to the whole host). float16 takes the same
-    three steps by exchange (``_across_hosts_by_exchange``), while the others' are in flight."""
-    phases, launches, exchanged = [], [], []
+    multiple of the ranks per host) is reduce-scattered inside the host (``reduce_scatter_async``),
+    each rank's shard summed over its cross set (an allreduce; float16 by exchange, from the host's
+    float32 sum: only float16 crosses), and the shards allgathered inside the host: every rank ends with
+    the same sums, bit for bit (each shard's sum is one cross set's, copied to the whole host). Each
+    step is started for every dtype before any is waited for."""
+    launches, scattered = [], []
     for indices, flat, label in _flat_by_dtype(tensors, name):
-        if flat.dtype == torch.float16:
-            exchanged.append((indices, flat, label))
-            continue
         shard = -(-flat.numel() // hosts.per_host)
         padded = torch.cat([flat, flat.new_zeros(shard * hosts.per_host - flat.numel())])
-        launches += [(f"{label}.scatter", padded.numel()), (f"{label}.cross", shard), (f"{label}.gather", shard)]
-        phases.append((indices, flat.numel(), label, mpi_ops.reducescatter_async(
-            padded, name=f"{label}.scatter", op=mpi_ops.Sum, process_set=hosts.host)))
-    buffers = [(indices, _across_hosts_by_exchange(flat, hosts, label, launches))
-               for indices, flat, label in exchanged]
-    crossed = [(indices, numel, label, mpi_ops.allreduce_async_(wait(handle), op=mpi_ops.Sum, name=f"{label}.cross",
-                                                                process_set=hosts.cross))
-               for indices, numel, label, handle in phases]
-    gathered = [(indices, numel, mpi_ops.allgather_async(wait(handle), name=f"{label}.gather", process_set=hosts.host))
-                for indices, numel, label, handle in crossed]
-    return _split_sums(tensors, buffers + [(indices, wait(handle)[:numel]) for indices, numel, handle in gathered]), \
-        launches
-
-
-def _across_hosts_by_exchange(flat, hosts, label, launches):
-    """The job's sum of the float16 ``flat`` through ``hosts``, in float32: the host's shard summed by
-    its owner (``_scatter_by_exchange``), sent across the hosts in float16 (``_sum_by_exchange``: only
-    the host's sum crosses, at 2 bytes a value), and the shards allgathered inside the host in float32."""
-    host_shard = _scatter_by_exchange(flat, hosts.host, f"{label}.scatter", launches)
-    crossed = _sum_by_exchange(host_shard.to(torch.float16), hosts.cross, f"{label}.cross", launches)
-    launches.append((f"{label}.gather", crossed.numel()))
-    return wait(mpi_ops.allgather_async(crossed, name=f"{label}.gather", process_set=hosts.host))[:flat.numel()]
+        launches.append((f"{label}.scatter", padded.numel()))
+        scattered.append((indices, flat, label, reduce_scatter_async(padded, f"{label}.scatter", hosts.host)))
+    crossed = []
+    for indices, flat, label, started in scattered:
+        host_sum = reduce_scatter_wait(started)
+        if flat.dtype == torch.float16:
+            crossed.append((indices, flat, label, _sum_by_exchange(host_sum.to(torch.float16), hosts.cross,
+                                                                   f"{label}.cross", launches)))
+            continue
+        launches.append((f"{label}.cross", host_sum.numel()))
+        crossed.append((indices, flat, label, mpi_ops.allreduce_async_(host_sum, op=mpi_ops.Sum, name=f"{label}.cross",
+                                                                       process_set=hosts.cross)))
+    gathered = []
+    for indices, flat, label, total in crossed:
+        total = total if torch.is_tensor(total) else wait(total)
+        launches.append((f"{label}.gather", total.numel()))
+        gathered.append((indices, flat.numel(), mpi_ops.allgather_async(total, name=f"{label}.gather",
+                                                                        process_set=hosts.host)))
+    return _split_sums(tensors, [(indices, wait(handle)[:numel]) for indices, numel, handle in gathered]), launches
 
 
 def _sum(tensors, name, process_set, hosts):
