@@ -17,7 +17,7 @@ import torch
 from horovod.torch import mpi_ops
 
 __all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait", "reduce_scatter_async",
-           "reduce_scatter_wait"]
+           "reduce_scatter_wait", "add_rows"]
 
 # wait()'s sleeps between polls: an eighth of the time waited so far, from 20 us to at most 1 ms, so that
 # a short wait ends soon after its collective and a long one wakes 1,000 times a second. Not at most
@@ -57,11 +57,15 @@ def reduce_scatter_async(padded, name, process_set):
 
 
 def reduce_scatter_wait(started):
-    """This rank's shard of the sum ``reduce_scatter_async`` started: the ranks' pieces added in rank
-    order (so the ranks that add the same pieces get the same bits), 16-bit ones in float32."""
+    """This rank's shard of the sum ``reduce_scatter_async`` started (``add_rows`` of the ranks' pieces)."""
     handle, size = started
     received, _ = wait(handle)
-    rows = received.view(size, -1)
+    return add_rows(received.view(size, -1))
+
+
+def add_rows(rows):
+    """The sum of ``rows`` (one rank's piece each, in rank order), added one row after the other, 16-bit
+    ones in float32: the ranks that add the same rows get the same bits."""
     wide = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
     total = rows[0].to(wide, copy=True)
     for row in rows[1:]:

@@ -28,10 +28,10 @@ power of two from the last step's sums (``hvd_topk.transports.lowrank_wire``: 2 
 float16 sum that overflowed summed again in float32); dense keys go in their own dtype.
 
 Across hosts (``hosts``, ``communication='hierarchical'``): the same step, with each phase's sum taken
-in three collectives instead of one (``lowrank_wire.sum_across_hosts``): a reduce-scatter inside each host (exact,
-over the fast link), an allreduce of each shard across the hosts by the ranks at its position (only
-the host's sum of the P's, then of the Q's, crosses the slow link: r(n + m) values per host, not per
-rank), an allgather inside the host (float16 sums: by exchange, ``lowrank_wire``). The math, the residuals (each rank's own) and so the error
+in three collectives instead of one (``lowrank_wire.sum_across_hosts``): a reduce-scatter inside each
+host (exact, over the fast link), a sum of each shard across the hosts by the ranks at its position
+(only the host's sum of the P's, then of the Q's, crosses the slow link: r(n + m) values per host, not
+per rank), an allgather inside the host. The math, the residuals (each rank's own) and so the error
 feedback are the flat transport's; only the order in which the ranks' P's and Q's are added differs.
 """
 import math

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from horovod.torch import mpi_ops
 
-from .collectives import flag_raised, reduce_scatter_async, reduce_scatter_wait, wait
+from .collectives import add_rows, flag_raised, reduce_scatter_async, reduce_scatter_wait, wait
 from ..core.wire import LOWRANK_VALUE_BYTES
 
 __all__ = ["VALUES", "scale_for", "encode", "decode", "needs_resend", "largest", "sum_phase", "sum_end_to_end",
@@ -119,15 +119,6 @@ def sum_end_to_end(tensors, name, process_set):
     return _split_sums(tensors, buffers + [(indices, wait(handle)) for indices, handle in handles]), launches
 
 
-def _added(rows):
-    """The float32 sum of ``rows`` (a rank's piece per row), added one row after the other: the same bits
-    on every rank that adds the same rows."""
-    total = rows[0].to(torch.float32, copy=True)
-    for row in rows[1:]:
-        total.add_(row.to(torch.float32))
-    return total
-
-
 def _scatter_by_exchange(flat, process_set, label, launches):
     """This rank's shard of the ranks' sum of ``flat`` (``reduce_scatter_async``; float16 added in
     float32), padded to a multiple of the ranks."""
@@ -145,7 +136,7 @@ def _sum_by_exchange(flat, process_set, label, launches):
     if process_set.size() <= 2:
         launches.append((label, flat.numel()))
         gathered = wait(mpi_ops.allgather_async(flat, name=label, process_set=process_set))
-        return _added(gathered.view(process_set.size(), flat.numel()))
+        return add_rows(gathered.view(process_set.size(), flat.numel()))
     shard = _scatter_by_exchange(flat, process_set, f"{label}.scatter", launches)
     launches.append((f"{label}.gather", shard.numel()))
     gathered = wait(mpi_ops.allgather_async(shard.to(torch.float16), name=f"{label}.gather", process_set=process_set))
