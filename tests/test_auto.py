@@ -259,6 +259,40 @@ def test_reprobe_without_a_bandwidth_term_keeps_the_last_fit(hvd):
     assert (tuner.costs.alpha, tuner.costs.beta) == (3e-4, 4e-9)
 
 
+def test_a_reprobe_leaves_out_the_plans_a_trial_dropped_by_quality(hvd):
+    """A drift re-probe tries the plans again, but not those a trial dropped by their quality (G): the
+    drift is the network's, their G is not, and each turn of theirs would train with them. The model's
+    plan stays in; the dropped plans survive a checkpoint."""
+    from hvd_topk.auto.probe import ProbeResult
+
+    class State:
+        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "split_reduce"
+        clock = staticmethod(time.perf_counter)
+
+        @staticmethod
+        def density(step):
+            return 0.01
+
+    class FakeProbe:
+        def run(self):
+            return ProbeResult(1e-4, 2e-9, 1e-4, 2e-9, "allreduce", 2, (4, 64), (1e-4, 1e-4), 0.1)
+
+    model, topk, other = {"w": "lowrank"}, {"w": "artopk"}, {"w": "split_reduce"}
+    tuner = AutoTuner(True, None, weight=1.0, trial_steps=2, trial_rounds=3, probe=FakeProbe())
+    tuner.quality = {"w": {"energy": 1.0, "topk": 0.41, "lowrank": 0.96}}
+    run_trial(tuner, [model, topk], lambda step, mode: {"lowrank": 0.2, "artopk": 0.18}[mode])
+    assert tuner.plan == model and tuner.out_by_quality == [topk]       # out after one counted round
+    tuner._plans = lambda numels, density, n: (model, [model, topk, other])
+    tuner._probe(State, 50, reason="drift")
+    assert tuner.trial.arms == [model, other]
+    tuner.out_by_quality = [topk, other]
+    tuner._probe(State, 100, reason="drift")
+    assert tuner.trial is None and tuner.plan == model                   # the model's plan alone: no trial
+    restored = AutoTuner(True, None)
+    restored.load_state_dict(tuner.state_dict())
+    assert restored.out_by_quality == [topk, other]
+
+
 def test_choose_ratio_objective_and_hysteresis():
     times = {0.1: 0.5, 0.01: 0.06, 0.001: 0.02}
     gains = {0.1: 0.6, 0.01: 0.1, 0.001: 0.01}
@@ -351,9 +385,10 @@ def test_end_round_drops_a_plan_that_loses_by_quality_alone_after_one_counted_ro
     first = trials.Trial(arms, [0, 1, 2], [[], [], []], rounds=1)
     measured = [0.207, 0.1785, 0.202]
     trial, kept = trials.end_round(first, measured, 5, 10, scales=[1 / 0.96, 1 / 0.41, 1 / 0.76])
-    assert (trial.active, kept) == ([0, 2], None)
+    assert (trial.active, kept, trial.out_by_quality) == ([0, 2], None, [1])
     trial, kept = trials.end_round(first, measured, 5, 10, scales=[1 / 0.96, 1 / 0.41, 1 / 0.41])
     assert (trial.active, kept) == ([0], 0)                         # one plan left: the trial is over
+    assert trial.out_by_quality == [1, 2]
     assert trials.end_round(first, measured, 5, 10)[0].active == [0, 1, 2]
     assert trials.quality_gaps([[], []], [1.0, 3.0], [0, 1]) == [0, 1]      # no counted round yet
 

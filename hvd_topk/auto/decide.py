@@ -81,6 +81,9 @@ class CollectiveSteps:
             self._record(step, state.ratio, reason)
             return
         self.plan, arms = self._plans(numels, state.density(step + 1), self.world.size())
+        # A re-probe answers a change of the network; a plan that lost a trial by its quality (its G)
+        # would lose again, and its turns would train with it: it stays out (the model's plan stays in).
+        arms = arms[:1] + [arm for arm in arms[1:] if arm not in self.out_by_quality]
         self.trial = None
         if len(arms) > 1:                               # the model is not sure enough: measure
             self.start_trial(arms)
@@ -99,6 +102,8 @@ class CollectiveSteps:
             trial, kept = trials.end_round(trial, agreed, self.trial_rounds, self.trial_max_rounds, self.trial_margin,
                                            scales)
             if kept is not None:
+                self.out_by_quality += [dict(trial.arms[a]) for a in trial.out_by_quality
+                                        if trial.arms[a] not in self.out_by_quality]
                 self.trial, self.plan = None, dict(trial.arms[kept])
                 self.calibration = None                    # measured against the plan now in effect
                 self._record(step, state.ratio, trials.summary(trial, kept, gains))

@@ -71,6 +71,7 @@ class Trial:
     rounds: int = 0                   # complete rounds
     turn_times: List[float] = dataclasses.field(default_factory=list)    # this rank's, turn under way
     round_means: List[float] = dataclasses.field(default_factory=list)   # this rank's, round under way
+    out_by_quality: List[int] = dataclasses.field(default_factory=list)  # plans ``quality_gaps`` dropped
 
 
 class Verdict(NamedTuple):
@@ -126,8 +127,9 @@ def end_round(trial, agreed, trial_rounds, max_rounds, margin=TRIAL_MARGIN, scal
     means = trial.means if scales is None else [[x * scale for x in m] for m, scale in zip(trial.means, scales)]
     if agreed is not None:
         active = clear_gaps(means, trial.active)
-        active = active if scales is None else quality_gaps(trial.means, scales, active)
-        trial = dataclasses.replace(trial, active=active)
+        kept = active if scales is None else quality_gaps(trial.means, scales, active)
+        trial = dataclasses.replace(trial, active=kept,
+                                    out_by_quality=trial.out_by_quality + [a for a in active if a not in kept])
         if len(trial.active) == 1:
             return trial, trial.active[0]
     if trial.rounds < trial_rounds:

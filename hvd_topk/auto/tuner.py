@@ -26,8 +26,9 @@ of the trial (``hvd_topk.auto.quality``).
 
 **Re-deciding.** Every ``every`` steps the ranks agree on the window's step and communication times
 and the compression gains; a drift of the communication time from the model at two checks in a row
-re-runs the probe and the transport choice, and the ratio moves to the candidate of least
-J(c) = T(c) / G(c) ** weight when that improves J by more than 5% (``hvd_topk.auto.recheck``).
+re-runs the probe and the transport choice (without the plans a trial dropped by their quality), and
+the ratio moves to the candidate of least J(c) = T(c) / G(c) ** weight when that improves J by more
+than 5% (``hvd_topk.auto.recheck``).
 """
 import math
 
@@ -58,7 +59,8 @@ class _Checkpoints:
         """Everything agreed and measured so far, a trial under way included, as plain data."""
         state = {"plan": dict(self.plan), "costs": costs_to_data(self.costs), "history": list(self.history),
                  "trial": trials.to_dict(self.trial), "quality": {k: dict(v) for k, v in self.quality.items()},
-                 "quality_sums": {k: dict(v) for k, v in self.quality_sums.items()}}
+                 "quality_sums": {k: dict(v) for k, v in self.quality_sums.items()},
+                 "out_by_quality": [dict(plan) for plan in self.out_by_quality]}
         for key in self._CHECKPOINTED:
             value = getattr(self, key)
             state[key] = list(value) if isinstance(value, list) else value
@@ -71,6 +73,7 @@ class _Checkpoints:
         self.history = list(state["history"])
         self.quality = {k: dict(v) for k, v in state.get("quality", {}).items()}
         self.quality_sums = {k: dict(v) for k, v in state.get("quality_sums", {}).items()}
+        self.out_by_quality = [dict(plan) for plan in state.get("out_by_quality", [])]
         if "trial" in state:
             self.trial = trials.from_dict(state["trial"])
             for key in self._CHECKPOINTED:
@@ -122,6 +125,7 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
         # decisions
         self.plan = {}                    # name -> transport, in effect now (auto_transport)
         self.trial = None                 # trial.Trial under way, or None
+        self.out_by_quality = []          # plans a trial dropped by their quality: no later trial has them
         self.history = []                 # (step, ratio, {transport: count}, reason), identical on all ranks
         # this rank's measurements of the current window
         self.step_times, self.comm_times = [], []
