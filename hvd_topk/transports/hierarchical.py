@@ -162,11 +162,11 @@ class Hierarchical:
         flags = values[indices == n]
         if not bool(torch.isfinite(flags).all()) or bool((flags != 0).any()):
             return Outcome(None, None)
+        if self.average:                # the kept values, not the n elements: the same products
+            values = values * (1.0 / (self.sets.per_host * self.sets.hosts))
         aggregate = torch.zeros(n + 1, dtype=acc.dtype, device=acc.device)
         aggregate[indices.to(acc.device)] = values.to(acc.device)          # the flag rows land at n
         aggregate = aggregate[:n]
-        if self.average:
-            aggregate.mul_(1.0 / (self.sets.per_host * self.sets.hosts))
         # acc becomes the shard's accumulator, zero elsewhere: the caller zeroes ``sent`` in it
         acc.zero_()
         acc[start:start + own.numel()] = own if shard_residual is None else shard_residual.to(acc.device)
