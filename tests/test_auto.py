@@ -108,6 +108,7 @@ def test_costs_with_both_links_survive_a_checkpoint_and_old_ones_load():
 
 class State:                                          # what the tuner reads of the optimizer
     sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
+    clock = staticmethod(time.perf_counter)
 
     @staticmethod
     def density(step):
@@ -232,14 +233,6 @@ def test_drift_reprobes_only_when_two_checks_in_a_row_drift_the_same_way(hvd):
 def test_reprobe_without_a_bandwidth_term_keeps_the_last_fit(hvd):
     from hvd_topk.auto.probe import ProbeResult
 
-    class State:
-        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
-        clock = staticmethod(time.perf_counter)
-
-        @staticmethod
-        def density(step):
-            return 0.01
-
     def fit(alpha, beta):
         return ProbeResult(alpha, beta, alpha, beta, "allreduce", 2, (4, 64), (1e-4, 1e-4), 0.1)
 
@@ -264,14 +257,6 @@ def test_a_reprobe_leaves_out_the_plans_a_trial_dropped_by_quality(hvd):
     drift is the network's, their G is not, and each turn of theirs would train with them. The model's
     plan stays in; the dropped plans survive a checkpoint."""
     from hvd_topk.auto.probe import ProbeResult
-
-    class State:
-        sparse_numels, ratio, communication = {"w": 4096}, 0.01, "split_reduce"
-        clock = staticmethod(time.perf_counter)
-
-        @staticmethod
-        def density(step):
-            return 0.01
 
     class FakeProbe:
         def run(self):
