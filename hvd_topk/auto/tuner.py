@@ -110,8 +110,7 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
         self.auto_transport, self.ratios, self.weight = auto_transport, ratios, weight
         self.every, self.trial_steps, self.trial_rounds, self.threshold = every, trial_steps, trial_rounds, threshold
         self.trial_margin, self.trial_max_rounds = trial_margin, trial_max_rounds
-        self.probe = probe or Probe(repeats=PROBE_REPEATS)
-        self.world = HorovodWorld()
+        self.probe, self.world = probe or Probe(repeats=PROBE_REPEATS), HorovodWorld()
         self.hosts = None                 # HostSets of a job across equal hosts: hierarchical is a candidate
         self.lowrank = None               # the optimizer's LowRank, where low rank is a candidate
         self.first_step = 0               # the step whose end runs the first probe (the last dense step)
