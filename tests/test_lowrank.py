@@ -383,3 +383,13 @@ def test_bad_arguments_name_the_parameter(hvd):
     lowrank.start("w", torch.randn(5), None, True)
     with pytest.raises(RuntimeError, match="started twice"):
         lowrank.start("w", torch.randn(5), None, True)
+
+
+def test_float16_accumulators_get_float16_sums(hvd):
+    """A float16 accumulator's P goes in its own dtype, summed by exchange (in float32): its sums come
+    back in float16, so the power iteration's products have one dtype (one rank: the sum is its own)."""
+    lowrank = LowRank(Collectives("lowrank.half.group"), True, rank=2, shapes={"w": (16, 8)}, name="lowrank.half")
+    acc = torch.randn(128, generator=torch.Generator().manual_seed(0)).half()
+    out = lowrank.start("w", acc, None, True).finish()
+    assert out.aggregate.dtype == torch.float16 and out.residual.dtype == torch.float16
+    torch.testing.assert_close(out.aggregate + out.residual, acc, rtol=0, atol=2e-3)

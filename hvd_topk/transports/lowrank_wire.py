@@ -65,8 +65,10 @@ def encode(tensor, scale):
 
 
 def decode(total, scale, dtype):
-    """The sum back in ``dtype``: ``total / scale`` (exact: a power of two), or ``total`` unscaled."""
-    return total if scale is None else total.to(dtype) * (1.0 / scale)
+    """The sum back in ``dtype``: ``total / scale`` (exact: a power of two), or ``total`` unscaled (a
+    float16 sum comes back from its exchange in float32)."""
+    total = total.to(dtype)
+    return total if scale is None else total * (1.0 / scale)
 
 
 def needs_resend(total, scale, raised):
