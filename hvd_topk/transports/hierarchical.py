@@ -94,10 +94,7 @@ class Hierarchical:
     def start(self, key, acc, k, finite=None, grad=None, step=None, k_next=None):
         """Start the host's reduce-scatter of ``acc``; the rest runs at the first ``finish``. ``finite``
         is not needed: a non-finite entry shows in the shard's sum."""
-        n, per_host = acc.numel(), self.sets.per_host
-        pad = -(-n // per_host) * per_host - n
-        buf = torch.cat([acc, acc.new_zeros(pad)]) if pad else acc
-        started = reduce_scatter_async(buf, f"{self.name}.{key}.scatter", self.sets.host)
+        started = reduce_scatter_async(acc, f"{self.name}.{key}.scatter", self.sets.host)
         self.inflight[key] = (started, acc, k)
 
         def finish():
@@ -105,7 +102,7 @@ class Hierarchical:
                 self._run_all()
             return self.outcomes.pop(key)
         # the squared norm of what leaves is known only after the host's sum: not counted (0.0)
-        return Started(buf.numel() * buf.element_size(), 0.0, finish)
+        return Started(started.numel * acc.element_size(), 0.0, finish)
 
     def forget(self):
         """Drop what was shared with the old set of ranks."""

@@ -121,26 +121,18 @@ def sum_end_to_end(tensors, name, process_set):
     return _split_sums(tensors, buffers + [(indices, wait(handle)) for indices, handle in handles]), launches
 
 
-def _scatter_by_exchange(flat, process_set, label, launches):
-    """This rank's shard of the ranks' sum of ``flat`` (``reduce_scatter_async``; float16 added in
-    float32), padded to a multiple of the ranks."""
-    shard = -(-flat.numel() // process_set.size())
-    padded = torch.cat([flat, flat.new_zeros(shard * process_set.size() - flat.numel())])
-    launches.append((label, padded.numel()))
-    return reduce_scatter_wait(reduce_scatter_async(padded, label, process_set))
-
-
 def _sum_by_exchange(flat, process_set, label, launches):
     """The ranks' sum of the float16 ``flat``, in float32, the same bits on every rank, with the bytes of
     a ring allreduce: on 2 ranks one allgather, each adding [rank 0's, rank 1's]; on more, each shard
-    summed by its owner (``_scatter_by_exchange``) and allgathered in float16 (a shard that overflows
+    summed by its owner (``reduce_scatter_async``) and allgathered in float16 (a shard that overflows
     float16 arrives as inf, which ``needs_resend`` sees)."""
     if process_set.size() <= 2:
         launches.append((label, flat.numel()))
         gathered = wait(mpi_ops.allgather_async(flat, name=label, process_set=process_set))
         return add_rows(gathered.view(process_set.size(), flat.numel()))
-    shard = _scatter_by_exchange(flat, process_set, f"{label}.scatter", launches)
-    launches.append((f"{label}.gather", shard.numel()))
+    started = reduce_scatter_async(flat, f"{label}.scatter", process_set)
+    shard = reduce_scatter_wait(started)
+    launches += [(f"{label}.scatter", started.numel), (f"{label}.gather", shard.numel())]
     gathered = wait(mpi_ops.allgather_async(shard.to(torch.float16), name=f"{label}.gather", process_set=process_set))
     return gathered[:flat.numel()].to(torch.float32)
 
@@ -172,10 +164,9 @@ def sum_across_hosts(tensors, name, hosts):
     step is started for every dtype before any is waited for."""
     launches, scattered = [], []
     for indices, flat, label in _flat_by_dtype(tensors, name):
-        shard = -(-flat.numel() // hosts.per_host)
-        padded = torch.cat([flat, flat.new_zeros(shard * hosts.per_host - flat.numel())])
-        launches.append((f"{label}.scatter", padded.numel()))
-        scattered.append((indices, flat, label, reduce_scatter_async(padded, f"{label}.scatter", hosts.host)))
+        started = reduce_scatter_async(flat, f"{label}.scatter", hosts.host)
+        launches.append((f"{label}.scatter", started.numel))
+        scattered.append((indices, flat, label, started))
     crossed = []
     for indices, flat, label, started in scattered:
         host_sum = reduce_scatter_wait(started)
