@@ -61,8 +61,9 @@ def add_compression_args(parser):
     g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
     g.add_argument("--budget", type=float, default=1.0,
                    help="topkef and hvd_topk: split_reduce keeps the largest budget * k summed entries (>= 1)")
-    g.add_argument("--selection", choices=["layerwise", "global"], default="layerwise",
-                   help="hvd_topk: top-k per tensor, or over all compressed tensors at once")
+    g.add_argument("--selection", choices=["layerwise", "global"], default=None,
+                   help="hvd_topk: top-k per tensor, or over all compressed tensors at once "
+                        "(default: global, per tensor with artopk, auto or pins)")
     g.add_argument("--momentum-correction", choices=["on", "off"], default="off",
                    help="hvd_topk: DGC momentum correction (on: SGD with momentum only)")
     g.add_argument("--warmup-epochs", type=int, default=0, help="hvd_topk: DGC warm-up epochs")

@@ -18,7 +18,7 @@ from .transports.build import OWN_COLLECTIVES
 from .transports.lowrank_wire import VALUES as LOWRANK_VALUES      # PowerSGDSettings.values
 
 __all__ = ["check_topk_settings", "check_lowrank_settings", "check_lowrank_use", "topk_only_settings",
-           "check_optimizer_settings", "check_hierarchical", "check_stock_selection", "check_optimizer",
+           "check_optimizer_settings", "check_hierarchical", "check_stock_selection", "selection_of", "check_optimizer",
            "check_groups", "STOCK_COMMUNICATIONS", "GLOBAL_STOCK_COMMUNICATIONS", "COMMUNICATIONS", "COMPRESSES",
            "LEADERS", "SELECTIONS", "VALUES"]
 
@@ -28,7 +28,7 @@ LOWRANK_COMMUNICATIONS = ("lowrank", "hierarchical")        # PowerSGDSettings.c
 PIN_TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather", "lowrank")    # OptimizerSettings.pin's values
 COMPRESSES = ("gradient", "update")
 LEADERS = ("star", "var")
-SELECTIONS = ("layerwise", "global")
+SELECTIONS = ("layerwise", "global")      # and None: selection_of's default
 # TopKEF's with selection='global': the transports that carry their own values (and dense, which selects nothing)
 GLOBAL_STOCK_COMMUNICATIONS = OWN_COLLECTIVES + ("dense",)
 VALUES = ("bf16", "fp16", "fp32")          # TopKSettings.values: hvd_topk.core.codec's kinds of float32 values
@@ -45,7 +45,7 @@ def check_topk_settings(settings):
             "values": check_choice("values", settings.values, VALUES),
             "bucket_cap_mb": check_number("bucket_cap_mb", settings.bucket_cap_mb, low=0,
                                           what="(MB of float32 gradient per bucket; 0: one bucket)"),
-            "selection": check_choice("selection", settings.selection, SELECTIONS)}
+            "selection": check_choice("selection", settings.selection, SELECTIONS + (None,))}
 
 
 def check_lowrank_settings(settings):
@@ -87,7 +87,7 @@ def topk_only_settings(settings):
     """The names of the ``OptimizerSettings`` set away from their defaults that only Top-K has (where
     they are set, ``communication='auto'`` leaves low rank out of its choices)."""
     topk_only = {"momentum_correction": settings.momentum_correction, "warmup_steps": settings.warmup_steps,
-                 "warmup_epochs": settings.warmup_epochs, "selection": settings.selection != "layerwise",
+                 "warmup_epochs": settings.warmup_epochs, "selection": settings.selection == "global",
                  "adaptive_ratio": settings.adaptive_ratio not in (None, False),
                  "compress": settings.compress != "gradient", "leader": settings.leader != "star",
                  "value_dtype": settings.value_dtype is not None}
@@ -100,21 +100,47 @@ def check_hierarchical(communication, process_set):
         raise ValueError("communication='hierarchical' needs the global process set (it builds its own per host)")
 
 
+def selection_of(chosen, communication, pinned=False):
+    """The selection a step runs: ``'global'`` if one of ``chosen`` (the selections the user gave, None
+    where not given) says so, else ``'layerwise'`` if one says so. Neither given (the default): one top-k
+    over the step's compressed tensors (``'global'``) where every rank selects its own top-k
+    (``OWN_COLLECTIVES``): it reached dense - 1 pt in fewer steps on 3 of the 4 tasks measured
+    (docs/optimizer.md, ``selection``). Else ``'layerwise'``: AR-Topk (in ``TopKEF`` its values ride
+    Horovod's allreduce tensor by tensor; the optimizer follows, so the two doors agree), ``'auto'`` and
+    pinned tensors (chosen per tensor), dense and low rank (nothing is selected). ValueError for
+    ``'global'`` with pinned tensors: one top-k over all of them leaves no tensor its own transport.
+
+    Example:
+        >>> selection_of([None], "split_reduce"), selection_of([None], "artopk"), selection_of(["layerwise"], "allgather")
+        ('global', 'layerwise', 'layerwise')
+    """
+    if "global" in chosen and pinned:
+        raise ValueError("selection must be 'layerwise' or None with OptimizerSettings(pin=...), got 'global' "
+                         "(one top-k over all compressed tensors leaves no tensor its own transport)")
+    if "global" in chosen:
+        return "global"
+    if "layerwise" in chosen:
+        return "layerwise"
+    return "global" if communication in OWN_COLLECTIVES and not pinned else "layerwise"
+
+
 def check_stock_selection(settings):
-    """ValueError where ``TopKEF`` cannot select globally: its global selection sends the step's accumulators
-    at the first ``decompress``, through a transport that carries its own values; artopk's values ride in
-    Horovod's allreduce, each tensor's as ``compress`` returns them, before the step's others exist."""
+    """``TopKEF``'s selection (``selection_of``), or ValueError where it cannot select globally: its global
+    selection sends the step's accumulators at the first ``decompress``, through a transport that carries its
+    own values; artopk's values ride in Horovod's allreduce, each tensor's as ``compress`` returns them,
+    before the step's others exist."""
     if settings.selection == "global" and settings.communication not in GLOBAL_STOCK_COMMUNICATIONS:
-        raise ValueError(f"selection must be 'layerwise' with communication={settings.communication!r} in TopKEF, "
-                         f"got 'global' (TopKEF selects globally with communication one of "
+        raise ValueError(f"selection must be 'layerwise' or None with communication={settings.communication!r} in "
+                         f"TopKEF, got 'global' (TopKEF selects globally with communication one of "
                          f"{GLOBAL_STOCK_COMMUNICATIONS}; hvd_topk.DistributedOptimizer with artopk too)")
+    return selection_of([settings.selection], settings.communication)
 
 
 def check_optimizer_settings(s):
     """``OptimizerSettings``' fields, each alone and together (what needs the optimizer is
     ``check_optimizer``'s): ValueError naming the first bad one; else momentum correction on/off."""
     check_choice("compress", s.compress, COMPRESSES)
-    check_choice("selection", s.selection, SELECTIONS)
+    check_choice("selection", s.selection, SELECTIONS + (None,))
     check_choice("leader", s.leader, LEADERS)
     if s.momentum_correction not in (None, False, True):
         raise ValueError(f"momentum_correction must be True or False, got {s.momentum_correction!r}")

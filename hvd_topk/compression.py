@@ -17,8 +17,8 @@ drives) with Horovod's public asynchronous collectives, named per parameter:
   leader's choice.
 - ``dense`` (or ratio 1.0): the gradient + one flag go to Horovod's allreduce: dense Horovod.
 
-``selection='global'`` (split_reduce, allgather, hierarchical): ``compress`` keeps each accumulator and
-hands Horovod the token; the step's first ``decompress`` runs one top-k over all of them
+Global selection (the default with split_reduce, allgather and hierarchical): ``compress`` keeps each
+accumulator and hands Horovod the token; the step's first ``decompress`` runs one top-k over all of them
 (``hvd_topk.step.compressor_global``), residuals still per parameter.
 
 Which parameter a gradient belongs to: ``gradient_keys``. Horovod's ``op`` may be Average or Sum
@@ -92,8 +92,8 @@ class TopKEF(CompressorDoor):
             stays in the residual.
         bucket_cap_mb: split_reduce and allgather send the tensors in buckets of at most this many MB of
             float32 gradient, each as soon as its gradients are ready (from the second step); 0: one bucket.
-        selection: ``'layerwise'`` (default: a top-k per tensor) or ``'global'``: one top-k over all the
-            step's compressed tensors, sent at the first ``decompress`` (not with ``'artopk'``).
+        selection: ``'global'`` (one top-k over all the step's compressed tensors, at the first ``decompress``),
+            ``'layerwise'`` (per tensor) or None (default: global, with ``'artopk'`` layer-wise).
 
     Example:
         >>> import horovod.torch as hvd, torch
@@ -112,17 +112,17 @@ class TopKEF(CompressorDoor):
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
                  process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0, values="bf16",
-                 bucket_cap_mb=25.0, selection="layerwise"):
+                 bucket_cap_mb=25.0, selection=None):
         settings = TopKSettings(ratio, min_numel, communication, budget, sync_indices, values, bucket_cap_mb,
                                 selection)
         check_hierarchical(settings.communication, process_set)
-        check_stock_selection(settings)
+        self.selection = check_stock_selection(settings)      # the one this TopKEF runs
         super().__init__(settings, named_parameters, process_set)
         self.transports = CompressorTransports(settings, tag=f"hvd_topk.TopKEF{next(TopKEF._instances)}",
                                                key_index=self.keys.key_index, process_set=process_set,
                                                mismatch_hint=_MISMATCH_HINT if named_parameters is None else "")
         self.pool = GlobalSelection(self.transports, settings.ratio) \
-            if settings.selection == "global" and settings.communication != "dense" else None
+            if self.selection == "global" and settings.communication != "dense" else None
 
     def _compress(self, tensor):
         """``(tensor_to_allreduce, ctx)``: the token, ``[k values..., flag]`` (+ the token in a tensor's
@@ -175,7 +175,7 @@ class TopKEF(CompressorDoor):
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
         return {"ratio": self.settings.ratio, "communication": self.settings.communication,
-                "selection": self.settings.selection,
+                "selection": self.selection,
                 "signatures": list(getattr(self.keys, "signatures", [])),
                 "residuals": self.memory.state_dict(), **transports_state(self.transports)}
 

@@ -13,7 +13,7 @@ from horovod.torch import mpi_ops
 from horovod.torch.mpi_ops import Average
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .arguments import check_lowrank_use, check_optimizer, topk_only_settings
+from .arguments import check_lowrank_use, check_optimizer, selection_of, topk_only_settings
 from .auto import DEFAULT_WEIGHT, tuner_for
 from .auto.quality import QUALITY_WEIGHT
 from .compression import TopKEF
@@ -83,10 +83,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     chosen = getattr(compression, "settings", None)    # the class's defaults, or an instance's
     if not isinstance(chosen, (TopKSettings, PowerSGDSettings)):
         raise ValueError(f"compression must be TopKEF or PowerSGD, the class or an instance, got {compression!r}")
-    if getattr(chosen, "selection", "layerwise") == "global":     # TopKEF(selection='global'): here too
-        settings = dataclasses.replace(settings, selection="global")
     communication = chosen.communication if communication is None else communication
     check_lowrank_use(settings, communication, chosen.kind)
+    # the optimizer's or TopKEF's selection, else the default of this communication (low rank selects nothing)
+    settings = dataclasses.replace(settings, selection=selection_of(
+        [settings.selection, getattr(chosen, "selection", None)],
+        communication if chosen.kind == "topk" else "lowrank", pinned=bool(settings.pin)))
     # the other kind at its defaults: auto and pins may send a tensor with either
     lowrank = chosen if chosen.kind == "lowrank" else PowerSGDSettings()
     topk = TopKSettings() if chosen.kind == "lowrank" else with_value_dtype(chosen, settings.value_dtype)

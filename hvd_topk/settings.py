@@ -48,9 +48,9 @@ class TopKSettings(CompressorSettings):
         bucket_cap_mb: split_reduce and allgather send their tensors in buckets of at most this many MB of
             float32 gradient (reverse registration order, as DDP), one collective per bucket and phase,
             each bucket leaving once its gradients are ready; > 0, or 0 for one bucket per step.
-        selection: ``'layerwise'`` (a top-k per tensor) or ``'global'`` (one over the step's compressed
-            tensors, ``hvd_topk.arguments.SELECTIONS``; the optimizer selects globally if this or its
-            ``OptimizerSettings.selection`` says so).
+        selection: ``'layerwise'`` (a top-k per tensor), ``'global'`` (one over the step's compressed
+            tensors) or None (default: ``'global'``, with ``'artopk'`` ``'layerwise'``; the optimizer's is
+            ``hvd_topk.arguments.selection_of``: global if this or ``OptimizerSettings.selection`` says so).
 
     Example:
         >>> TopKSettings(ratio=0.001).min_numel
@@ -64,7 +64,7 @@ class TopKSettings(CompressorSettings):
     sync_indices: bool = False
     values: str = "bf16"
     bucket_cap_mb: float = 25.0
-    selection: str = "layerwise"
+    selection: Optional[str] = None
 
     def __post_init__(self):
         for name, value in check_topk_settings(self).items():
@@ -120,7 +120,9 @@ class OptimizerSettings:
         warmup_epochs: the same per epoch (``opt.set_epoch(epoch)``), int >= 0.
         dense_steps: the first steps send every element (dense Horovod), int >= 0.
         clip_grad_norm: DGC local clipping of each gradient to this norm / sqrt(size), > 0, or None.
-        selection: ``'layerwise'`` (a top-k per tensor) or ``'global'`` (one over all, at synchronize()).
+        selection: ``'layerwise'`` (a top-k per tensor, each sent once ready) or ``'global'`` (one over all, at
+            synchronize()); None (default): TopKEF's, else ``'global'`` with split_reduce, allgather and
+            hierarchical, ``'layerwise'`` with artopk, auto or pins (``hvd_topk.arguments.selection_of``).
         compress: ``'gradient'`` or ``'update'`` (error feedback on every rank's own optimizer update).
         local_momentum: with ``compress='update'``, False steps the optimizer without its momentum.
         leader: AR-Topk's leader, ``'star'`` (round robin) or ``'var'`` (largest accumulators).
@@ -136,8 +138,8 @@ class OptimizerSettings:
             says or ``'auto'`` would choose; None: none pinned.
 
     Example:
-        >>> OptimizerSettings(warmup_epochs=4).selection
-        'layerwise'
+        >>> OptimizerSettings(warmup_epochs=4).warmup_epochs
+        4
     """
     # DGC: the density schedule and the local corrections
     momentum_correction: bool = False
@@ -146,7 +148,7 @@ class OptimizerSettings:
     dense_steps: int = 0
     clip_grad_norm: Optional[float] = None
     # what goes through error feedback, and how it is selected
-    selection: str = "layerwise"
+    selection: Optional[str] = None
     compress: str = "gradient"
     local_momentum: bool = True
     # the wire

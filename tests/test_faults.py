@@ -248,7 +248,7 @@ def test_checkpoint_of_another_world_size_is_refused(hvd, saved, change, match):
 
 @pytest.mark.parametrize("kw,match", [
     ({"width": 32}, r"another model: 0.weight has shape \(16, 8\) there, \(32, 8\) here"),
-    ({"selection": "global"}, "another selection"),
+    ({"selection": "layerwise"}, "another selection"),
 ])
 def test_checkpoint_of_another_model_is_refused(hvd, saved, kw, match):
     """Another shape, or the same model under another selection: refused before anything is loaded

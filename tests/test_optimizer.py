@@ -187,12 +187,15 @@ def test_zero_grad_accepts_set_to_none(hvd):
     assert all(q.grad is None for q in model.parameters())
 
 
-def test_error_feedback_invariant_single_process_plain_ef(hvd):
+@pytest.mark.parametrize("selection,key", [("layerwise", "weight"), (None, "__global__")])
+def test_error_feedback_invariant_single_process_plain_ef(hvd, selection, key):
+    """Per tensor, and at the default (global selection: the one tensor is the bucket, its residual kept
+    whole under the bucket's key)."""
     torch.manual_seed(0)
     model = nn.Linear(100, 50, bias=False).double()
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                         named_parameters=model.named_parameters(),
-                                        compression=TopKEF(ratio=0.02, min_numel=0))
+                                        compression=TopKEF(ratio=0.02, min_numel=0, selection=selection))
     total_grad = torch.zeros(5000, dtype=torch.float64)
     total_sent = torch.zeros(5000, dtype=torch.float64)
     for _ in range(20):
@@ -204,7 +207,7 @@ def test_error_feedback_invariant_single_process_plain_ef(hvd):
         assert int((model.weight.grad != 0).sum()) == k_for(5000, 0.02)
         with opt.skip_synchronize():
             opt.step()
-    residual = opt._hvd_topk.residuals.residuals["weight"]
+    residual = opt._hvd_topk.residuals.residuals[key].reshape(-1)
     torch.testing.assert_close(total_sent + residual, total_grad, rtol=0, atol=1e-10)
 
 

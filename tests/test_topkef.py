@@ -259,16 +259,26 @@ def test_state_dict_roundtrip_continues_identically(hvd, communication, selectio
 
 # -- selection='global': one top-k over the step's compressed tensors ------------------------------------
 
-@pytest.mark.parametrize("bad", ["all", None, "Global"])
+@pytest.mark.parametrize("bad", ["all", "", "Global"])
 def test_bad_selection_names_argument_and_choices(bad):
-    with pytest.raises(ValueError, match=r"selection must be one of \('layerwise', 'global'\)"):
+    with pytest.raises(ValueError, match=r"selection must be one of \('layerwise', 'global', None\)"):
         TopKEF(selection=bad)
 
 
 def test_global_selection_with_artopk_names_selection_and_what_it_accepts():
-    with pytest.raises(ValueError, match="selection must be 'layerwise' with communication='artopk'.*'split_reduce'"):
+    with pytest.raises(ValueError, match="selection must be 'layerwise' or None with communication='artopk'.*"
+                                         "'split_reduce'"):
         TopKEF(communication="artopk", selection="global")
     assert TopKEF(communication="dense", selection="global").pool is None     # dense selects nothing
+
+
+@pytest.mark.parametrize("communication,selection,runs", [
+    ("split_reduce", None, "global"), ("allgather", None, "global"), ("hierarchical", None, "global"),
+    ("artopk", None, "layerwise"), ("dense", None, "layerwise"), ("split_reduce", "layerwise", "layerwise")])
+def test_global_selection_is_the_default_where_the_transport_carries_it(communication, selection, runs):
+    comp = TopKEF(communication=communication, selection=selection)
+    assert comp.settings.selection == selection and comp.selection == runs
+    assert (comp.pool is not None) == (runs == "global")
 
 
 @pytest.mark.parametrize("communication", GLOBAL)
@@ -292,10 +302,21 @@ def test_the_optimizer_selects_globally_when_topkef_does(hvd):
     import hvd_topk
     model = nn.Linear(64, 32)
 
-    def selection(compression):
-        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=compression)
+    def selection(compression, **kw):
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=compression, **kw)
         return opt._hvd_topk.selection
-    assert selection(TopKEF(selection="global")) == "global" and selection(TopKEF()) == "layerwise"
+    layerwise = hvd_topk.OptimizerSettings(selection="layerwise")
+    assert selection(TopKEF(selection="global")) == "global" and selection(TopKEF()) == "global"
+    assert selection(TopKEF(selection="global"), settings=layerwise) == "global"      # either saying 'global'
+    assert selection(TopKEF(selection="layerwise")) == selection(TopKEF(), settings=layerwise) == "layerwise"
+    # the default per communication: per tensor where a tensor's transport is chosen per tensor
+    assert selection(TopKEF(), communication="artopk") == selection(TopKEF(), communication="auto") == "layerwise"
+    assert selection(TopKEF(communication="artopk")) == "layerwise"
+    assert selection(hvd_topk.PowerSGD(), communication="hierarchical") == "layerwise"      # low rank
+    pinned = hvd_topk.OptimizerSettings(pin={"weight": "dense"})
+    assert selection(TopKEF(), settings=pinned) == "layerwise"
+    with pytest.raises(ValueError, match="selection must be 'layerwise' or None with OptimizerSettings\\(pin=...\\)"):
+        selection(TopKEF(selection="global"), settings=pinned)
 
 
 def test_index_pipeline_shares_sets_at_flush_and_refuses_a_checkpoint_mid_step(hvd):

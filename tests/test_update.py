@@ -90,7 +90,10 @@ def test_error_feedback_invariant_on_local_updates(hvd, communication, kind, loc
         assert moved == k if step >= dense_steps else moved > k      # only the top-k elements moved
         # a dense tensor: the whole update (p0 + (p1 - p0) may round p1 in its last bit)
         torch.testing.assert_close(model.bias, reference.bias, rtol=0, atol=1e-15)
-    residual = opt._hvd_topk.residuals.residuals["weight"].reshape(start.shape)
+    # allgather selects globally by default: the one compressed tensor is the bucket, its residual whole
+    key = "__global__" if opt._hvd_topk.selection == "global" else "weight"
+    assert opt._hvd_topk.selection == ("global" if communication == "allgather" else "layerwise")
+    residual = opt._hvd_topk.residuals.residuals[key].reshape(start.shape)
     torch.testing.assert_close(model.weight.detach() - start + residual, total_update, rtol=0, atol=1e-12)
     assert float(residual.norm()) > 0
     # the optimizer's own hyperparameters are as the user set them

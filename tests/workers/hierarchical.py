@@ -73,17 +73,20 @@ with warnings.catch_warnings(record=True) as seen:
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
 
     def build(front_door):
+        """Layer-wise selection: the checks follow each tensor's shards (global selection's bucket is
+        the fused tests' and the steps test's)."""
         torch.manual_seed(1234 + hvd.rank())        # different per rank: the broadcast must fix it
         model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
         base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         if front_door == "opt":
             opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                                compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=64),
+                                                compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=64,
+                                                                            selection="layerwise"),
                                                 communication="hierarchical")
             residuals, transport = opt._hvd_topk.residuals.residuals, opt._hvd_topk.transports["hierarchical"]
         else:
             comp = hvd_topk.TopKEF(ratio=args.ratio, min_numel=64, named_parameters=model.named_parameters(),
-                                   communication="hierarchical")
+                                   communication="hierarchical", selection="layerwise")
             opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp,
                                            op=hvd.Sum if args.stock_op == "sum" else hvd.Average)
             residuals, transport = comp.memory.residuals, comp.transports.own["hierarchical"]

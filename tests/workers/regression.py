@@ -6,7 +6,8 @@ in the same job, through the public API only, so the digests compare any two ver
 Only deterministic configurations are here: ``communication='auto'`` and the adaptive ratio decide
 from measured times, which differ from run to run. The configurations recorded before 16-bit values
 run with ``values='fp32'`` (the fused buckets must give their sums bit for bit); ``NEW_DEFAULTS`` run
-the defaults since then (16-bit values; split_reduce as one allgather at 2 ranks).
+the defaults since then (16-bit values; split_reduce as one allgather at 2 ranks). A configuration that
+names no selection runs layer-wise, the default when all of them were recorded.
 """
 import argparse
 import hashlib
@@ -72,10 +73,11 @@ def train(kind, options):
     passes = options.pop("backward_passes_per_step", 1)
     ratio = options.pop("ratio", 0.05)
     options.setdefault("communication", "artopk")   # the default when the reference was recorded
+    selection = options.pop("selection", "layerwise")    # likewise (the default is global now)
     wire = dict(values=options.pop("values", "fp32"), bucket_cap_mb=options.pop("bucket_cap_mb", 25.0))
     if kind == "stock":
         compression = hvd_topk.TopKEF(ratio=ratio, min_numel=64, sync_indices=options.pop("sync_indices", False),
-                                      communication=options.pop("communication"), **wire)
+                                      communication=options.pop("communication"), selection=selection, **wire)
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        op=op, backward_passes_per_step=passes)
     else:
@@ -83,7 +85,7 @@ def train(kind, options):
                                             compression=hvd_topk.TopKEF(ratio=ratio, min_numel=64, **wire), op=op,
                                             backward_passes_per_step=passes, communication=options.pop("communication"),
                                             groups=options.pop("groups", None),
-                                            settings=hvd_topk.OptimizerSettings(**options))
+                                            settings=hvd_topk.OptimizerSettings(selection=selection, **options))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
