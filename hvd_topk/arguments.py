@@ -114,10 +114,10 @@ def selection_of(chosen, communication, pinned=False):
         >>> selection_of([None], "split_reduce"), selection_of([None], "artopk"), selection_of(["layerwise"], "allgather")
         ('global', 'layerwise', 'layerwise')
     """
-    if "global" in chosen and pinned:
-        raise ValueError("selection must be 'layerwise' or None with OptimizerSettings(pin=...), got 'global' "
-                         "(one top-k over all compressed tensors leaves no tensor its own transport)")
     if "global" in chosen:
+        if pinned:
+            raise ValueError("selection must be 'layerwise' or None with OptimizerSettings(pin=...), got 'global' "
+                             "(one top-k over all compressed tensors leaves no tensor its own transport)")
         return "global"
     if "layerwise" in chosen:
         return "layerwise"
