@@ -491,8 +491,10 @@ def test_momentum_correction_matches_float64_reference(results, nesterov, mc_job
             torch.testing.assert_close(res["state"]["residuals"][n], v[r][n], rtol=1e-9, atol=1e-12)
 
 
+# split_reduce with global selection is the default configuration (TopKEF's default is resumed across hosts,
+# tests/test_multihost.py)
 RESUMED = [("artopk", "star", "layerwise"), ("artopk", "var", "layerwise"), ("allgather", "star", "layerwise"),
-           ("artopk", "star", "global"), ("split_reduce", "star", "layerwise")]
+           ("artopk", "star", "global"), ("split_reduce", "star", "layerwise"), ("split_reduce", "star", "global")]
 
 
 @pytest.mark.parametrize("jobs", [
