@@ -92,8 +92,8 @@ class TopKEF(CompressorDoor):
             stays in the residual.
         bucket_cap_mb: split_reduce and allgather send the tensors in buckets of at most this many MB of
             float32 gradient, each as soon as its gradients are ready (from the second step); 0: one bucket.
-        selection: ``'global'`` (one top-k over all the step's compressed tensors, at the first ``decompress``),
-            ``'layerwise'`` (per tensor) or None (default: global, with ``'artopk'`` layer-wise).
+        selection: ``'global'`` (one top-k over the step's compressed tensors at the first ``decompress``,
+            row-sparse ones alone), ``'layerwise'`` or None (default: global; with ``'artopk'`` layer-wise).
 
     Example:
         >>> import horovod.torch as hvd, torch
@@ -148,14 +148,12 @@ class TopKEF(CompressorDoor):
         return tensor if n < self.settings.min_numel else super()._failed_payload(tensor) if token else None
 
     def _receive(self, tensor, ctx):
-        if ctx.pooled:
-            return self.pool.receive(tensor, ctx.key)
-        return self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started, ctx.indices, ctx.acc)
+        return self.pool.receive(tensor, ctx.key) if ctx.pooled else \
+            self.transports.receive(tensor, ctx.key, ctx.shape, ctx.started, ctx.indices, ctx.acc)
 
     def _forget(self):
-        self.transports.forget()
-        if self.pool is not None:
-            self.pool.forget()
+        for part in (self.transports, self.pool) if self.pool is not None else (self.transports,):
+            part.forget()
 
     def _after_compress(self):
         if self.keys.step_complete():
@@ -175,12 +173,14 @@ class TopKEF(CompressorDoor):
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
         return {"ratio": self.settings.ratio, "communication": self.settings.communication,
-                "selection": self.selection,
-                "signatures": list(getattr(self.keys, "signatures", [])),
-                "residuals": self.memory.state_dict(), **transports_state(self.transports)}
+                "selection": self.selection, "signatures": list(getattr(self.keys, "signatures", [])),
+                "residuals": self.memory.state_dict(), **transports_state(self.transports),
+                "row_sparse": self.pool and self.pool.state_dict()}     # None: layer-wise, or not measured
 
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on this rank."""
         self.keys.restore(state["signatures"])
         self.memory.load_state_dict(state["residuals"])
         load_transports_state(self.transports, state)
+        if self.pool is not None:          # an older checkpoint has no row_sparse: measured at the next step
+            self.pool.load_state_dict(state.get("row_sparse"))

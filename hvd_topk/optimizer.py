@@ -27,7 +27,7 @@ from .step.schedule import DensitySchedule
 from .step.stats import StepStats
 from .core.memory import ResidualMemory
 from .transports.build import build_transports
-from .transports.collectives import Reduction
+from .transports.collectives import Reduction, agree
 
 __all__ = ["DistributedOptimizer"]
 
@@ -147,7 +147,8 @@ def _build(config, kinds, settings, *, shapes, tuner, reduction, process_set):
                                                settings.warmup_epochs),
                       tuner=tuner, residuals=ResidualMemory(), momentum=MomentumCorrection(), leaders=stack.leaders,
                       index_sets=stack.index_sets, collectives=stack.collectives, transports=stack.transports,
-                      bucket=GlobalBucket(), stats=stats)
+                      bucket=GlobalBucket(lambda shares: agree(shares, f"{tag}.row_sparse", process_set=process_set)),
+                      stats=stats)
     coordinator = StepCoordinator(config, units)
     coordinator.tag, coordinator.names = tag, names
     return coordinator

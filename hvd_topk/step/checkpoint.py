@@ -9,6 +9,8 @@ import zipfile
 import torch
 from horovod.torch import mpi_ops
 
+from .coordinator import split_bucket
+
 __all__ = ["CheckpointError", "rank_path", "save_checkpoint", "load_checkpoint"]
 
 # What save_checkpoint writes; a file without these keys was written by something else.
@@ -190,9 +192,10 @@ def _crc32_on():
 # -- the optimizer's per-rank state, inside ``optimizer.state_dict()['hvd_topk']`` ----------------------
 
 def coordinator_state(c):
-    """This rank's hvd_topk state of one optimizer (a ``StepCoordinator``), between steps: residuals,
-    velocities, the shared index sets, VAR's scores, the schedule, the tuner's decisions, split_reduce's
-    index regions and low rank's warm-start Q's (per transport that keeps state: 'lowrank', 'hierarchical')."""
+    """This rank's hvd_topk state of one optimizer (a ``StepCoordinator``), between steps: residuals, the
+    row-sparse tensors selected alone (``bucket.GlobalBucket``), velocities, the shared index sets, VAR's
+    scores, the schedule, the tuner's decisions, split_reduce's index regions and low rank's warm-start
+    Q's (per transport that keeps state: 'lowrank', 'hierarchical')."""
     leaders = c.leaders.state_dict()
     schedule = c.schedule.state_dict()
     ps = c.collectives.process_set
@@ -204,6 +207,7 @@ def coordinator_state(c):
             "configured_ratio": schedule["configured_ratio"],
             "tuner": None if c.tuner is None else c.tuner.state_dict(),
             "regions": c.transports["split_reduce"].regions.state_dict(),
+            "row_sparse": None if c.bucket.alone is None else sorted(c.bucket.alone),
             "transports": _transport_states(c)}
 
 
@@ -238,6 +242,12 @@ def load_coordinator_state(c, state, check=True):
     c.step = state["step"]
     c.schedule.load_state_dict(state)
     c.residuals.load_state_dict(state["residuals"])
+    if c.selection == "global":           # without it (an older checkpoint): measured at the next step
+        c.bucket.forget()
+        row_sparse = state.get("row_sparse")
+        if row_sparse is not None:
+            c.bucket.alone = set(row_sparse)
+            split_bucket(c, c.bucket.alone)
     c.momentum.load_state_dict(state["velocities"])
     c.index_sets.load_state_dict(state["index_sets"])
     c.leaders.load_state_dict(state)

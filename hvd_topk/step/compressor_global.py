@@ -4,7 +4,8 @@
 Horovod only the ``op_token``. Horovod compresses every gradient of a step before it decompresses any,
 so at a step's first ``receive`` every rank holds the same accumulators: they go through the door's
 transport once, as one tensor (``bucket.GlobalBucket``, the optimizer's: sorted key order, the same on
-every rank), with k = k_for(their total numel, ratio). Each key gets its slice of the aggregate and of
+every rank), with k = k_for(their total numel, ratio); row-sparse ones (embedding tables) go alone
+beside it, each with its own k. Each key gets its slice of the aggregate and of
 the new residual, so residuals stay per key in the door's ``ResidualMemory``: checkpoints, elastic resets
 and the NaN rule (a non-finite entry anywhere: the transport's aggregate is None on every rank) work as
 with layer-wise selection.
@@ -15,8 +16,9 @@ every rank. The transport is one that starts its own collectives
 (``transports.build.OWN_COLLECTIVES``): only those can wait for the step's last gradient
 (``hvd_topk.arguments.check_stock_selection``).
 """
-from .bucket import GLOBAL_KEY, GlobalBucket
+from .bucket import GlobalBucket
 from ..core.sparsify import k_for, sq_norm_finite
+from ..transports.collectives import agree
 
 __all__ = ["GlobalSelection"]
 
@@ -31,11 +33,12 @@ class GlobalSelection:
 
     def __init__(self, transports, ratio):
         self.transports, self.ratio = transports, ratio
-        self.bucket = GlobalBucket()
+        ps = transports.process_set
+        self.bucket = GlobalBucket(lambda shares: agree(shares, f"{transports.tag}.row_sparse", process_set=ps))
 
     def send(self, key, acc, grad):
-        """Keep ``acc`` (flat) for the step's one transport; returns the token for Horovod's allreduce."""
-        self.bucket.add(key, acc)
+        """Keep ``acc`` (flat) for the step's transports; returns the token for Horovod's allreduce."""
+        self.bucket.add(key, acc, grad)
         token = self.transports.token.make(key, grad)
         self.transports.stats.add_bytes(token.numel() * token.element_size())
         return token
@@ -44,21 +47,37 @@ class GlobalSelection:
         """(``key``'s flat slice of the aggregate, or None where some rank was non-finite; its new residual
         or None), in the gradient's dtype (the token's)."""
         self.transports.token.average(reduced, key)      # raises, on every rank, before any value is used
-        part = self.bucket.output(key, lambda flat: self._run(flat, reduced, key))
+        part = self.bucket.output(key, lambda groups: self._run(groups, reduced, key))
         return tuple(None if t is None else t.to(reduced.dtype) for t in (part.aggregate, part.residual))
 
-    def _run(self, flat, reduced, key):
-        """The step's one transport over the bucket ``flat``; ``reduced`` is ``key``'s token, which says
-        whether Horovod averaged. Returns (aggregate or None, None, new residual or None)."""
+    def _run(self, groups, reduced, key):
+        """The transport over each of the bucket's groups (the pooled tensors, each row-sparse one), all
+        started before any finishes; ``reduced`` is ``key``'s token, which says whether Horovod averaged.
+        Returns, per group, (aggregate or None, None, new residual or None)."""
         stats = self.transports.stats
+        transport = self.transports.own[self.transports.communication]
+        started = []
         with stats.selecting():
-            acc_sq, finite = sq_norm_finite(flat)
-            transport = self.transports.own[self.transports.communication]
-            started = transport.start(GLOBAL_KEY, flat, k_for(flat.numel(), self.ratio), finite)
-        stats.add_sent(started.nbytes, started.sent_sq, acc_sq)
-        aggregate, residual = self.transports.receive(reduced, key, flat.shape, started, None, flat)
-        return aggregate, None, residual
+            for group, flat in groups:
+                acc_sq, finite = sq_norm_finite(flat)
+                started.append((flat, acc_sq, transport.start(group, flat, k_for(flat.numel(), self.ratio), finite)))
+        outcomes = []
+        for flat, acc_sq, each in started:
+            stats.add_sent(each.nbytes, each.sent_sq, acc_sq)
+            aggregate, residual = self.transports.receive(reduced, key, flat.shape, each, None, flat)
+            outcomes.append((aggregate, None, residual))
+        return outcomes
 
     def forget(self):
-        """An abandoned step: its kept accumulators go (their residuals were never committed)."""
-        self.bucket = GlobalBucket()
+        """An abandoned step or an elastic reset: its kept accumulators go (their residuals were never
+        committed), and the row-sparse tensors are measured anew."""
+        self.bucket.forget()
+
+    def state_dict(self):
+        """The row-sparse keys this rank's checkpoint keeps (None: not measured yet)."""
+        return None if self.bucket.alone is None else sorted(self.bucket.alone, key=str)
+
+    def load_state_dict(self, row_sparse):
+        """Restore ``state_dict``'s keys (None, from an older checkpoint too: measured at the next step)."""
+        self.forget()
+        self.bucket.alone = None if row_sparse is None else set(row_sparse)

@@ -18,14 +18,14 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .bucket import GLOBAL_KEY
+from .bucket import GLOBAL_KEY, regroup
 from .dgc import clip_local
 from .fused_plan import FusedPlan
 from .routing import route
 from ..core.memory import StepCommits
 from ..core.sparsify import sq_norm_finite
 
-__all__ = ["StepConfig", "StepUnits", "StepCoordinator"]
+__all__ = ["StepConfig", "StepUnits", "StepCoordinator", "send_bucket", "split_bucket"]
 
 
 class StepConfig(NamedTuple):
@@ -62,7 +62,10 @@ class StepCoordinator:
     def __init__(self, config, units):
         self.__dict__.update(config._asdict(), **units._asdict())
         self.clock = time.perf_counter        # the tuner's step clock (tests give ranks other clocks)
-        self.sparse_numels = {}               # key -> numel of every compressed tensor (or the bucket)
+        self.sparse_numels = {}               # key -> numel of every compressed tensor (or bucket group)
+        self.bucket_numels = {}               # selection='global': key -> numel of every tensor in the bucket
+        self.bucket_split = set()             # the row-sparse keys sent beside the pooled bucket now
+        self.plan_keys = []                   # the keys in registration order, for the fused buckets
         self.step = 0                         # synchronized steps, identical on all ranks
         self.commits = StepCommits()          # state updates of this step, applied if it is finite
         self.sent_keys = set()                # sparse keys submitted this step (layer-wise selection)
@@ -83,10 +86,11 @@ class StepCoordinator:
     def submit(self, p, name, update=None, grad=None):
         """Start the transport of p's gradient (``grad``, else ``p.grad``), or of ``update``, this rank's
         change of p, sent as it is; returns ``done() -> aggregated gradient``."""
+        fresh = update if update is not None else p.grad if grad is None else grad
         if update is not None:
             g = update.reshape(-1)
         else:
-            g = (p.grad if grad is None else grad).reshape(-1)
+            g = fresh.reshape(-1)
             if self.grad_scaler is not None:
                 g = g * (1.0 / self.grad_scaler.get_scale())
             g = clip_local(g, self.clip_grad_norm, self.collectives.process_set.size())
@@ -97,8 +101,9 @@ class StepCoordinator:
             self.fused.advance()
             return lambda: self.hand_out(name, p, started.finish().aggregate, None, u_new)
         if self.selection == "global":
-            self.bucket.add(name, g)
-            return lambda: self.hand_out(name, p, *self.bucket.output(name, self._send_bucket)[:2], u_new)
+            self.bucket.add(name, g, fresh)
+            part = lambda: self.bucket.output(name, lambda groups: send_bucket(self, groups))
+            return lambda: self.hand_out(name, p, *part()[:2], u_new)
         with self.stats.selecting():          # accumulate + select (packing apart)
             pending = self._start(name, g)
         self.sent_keys.add(name)
@@ -141,11 +146,6 @@ class StepCoordinator:
             self.commits.add(lambda: self.residuals.update(key, residual))
         return out.aggregate, out.sent if out.selected is None else out.selected
 
-    def _send_bucket(self, flat):              # the global bucket's one tensor, at synchronize()
-        with self.stats.selecting():
-            pending = self._start(GLOBAL_KEY, flat)
-        return (*self._finish(GLOBAL_KEY, pending), None)     # its residual stays whole, under GLOBAL_KEY
-
     def hand_out(self, name, p, aggregate, sent, u_new):
         """The aggregate as p's gradient (NaN everywhere if some rank was non-finite); queues the velocity."""
         if aggregate is None:
@@ -176,3 +176,26 @@ class StepCoordinator:
         self.schedule.advance(self.step)
         self.leaders.end_step()
         return nonfinite
+
+
+def send_bucket(c, groups):
+    """The global bucket's groups (``bucket.GlobalBucket.output``) through ``c``'s transports, at
+    synchronize(): all start, then each finishes. Returns, per group, (aggregate or None, indices, None)."""
+    if c.bucket.alone != c.bucket_split:  # measured this step: the first, or the first after a reset
+        split_bucket(c, c.bucket.alone)
+    with c.stats.selecting():
+        pending = [(key, c._start(key, flat)) for key, flat in groups]
+    # the pooled tensors' residual stays whole, under GLOBAL_KEY; a row-sparse one's under its name
+    return [(*c._finish(key, started), None) for key, started in pending]
+
+
+def split_bucket(c, alone):
+    """Send the row-sparse keys ``alone`` (``bucket.GlobalBucket``) beside ``c``'s pooled bucket from now
+    on: the residuals' layout, the keys the transports expect and the fused buckets follow, alike on every
+    rank."""
+    regroup(c.residuals.residuals, c.bucket_numels, alone)
+    pooled = sum(n for key, n in c.bucket_numels.items() if key not in alone)
+    c.sparse_numels = dict({GLOBAL_KEY: pooled} if pooled else {},
+                           **{key: c.bucket_numels[key] for key in sorted(alone)})
+    c.fused.plan(c.plan_keys, c.sparse_numels, c.bucket_cap_mb)
+    c.bucket_split = set(alone)

@@ -65,6 +65,7 @@ def forget_ranks(c):
         transport.forget()
     c.last_end = None                     # the tuner's step clock restarts: a reset is not a step
     c.commits, c.sent_keys, c.routed = StepCommits(), set(), False    # the next start tells the buckets anew
+    c.bucket.forget()                     # a new rank has not measured the row-sparse tensors: all measure anew
 
 
 def register():

@@ -34,12 +34,14 @@ def _init(self, params, named_parameters, hvd_topk_state, backward_passes_per_st
         self._register_hooks()        # Horovod skips hooks at world size 1; we still need them
     sparse = {self._parameter_names[q]: q.numel() for group in self.param_groups for q in group["params"]
               if q.requires_grad and self._hvd_topk.is_sparse(q)}
-    self._hvd_topk.sparse_numels = {GLOBAL_KEY: sum(sparse.values())} if \
-        self._hvd_topk.selection == "global" and sparse else sparse
-    # buckets in registration order, identical on every rank (the same model registers alike)
     state = self._hvd_topk
+    pooled = state.selection == "global" and sparse
+    state.sparse_numels = {GLOBAL_KEY: sum(sparse.values())} if pooled else sparse
+    state.bucket_numels = sparse if pooled else {}
+    # buckets in registration order, identical on every rank (the same model registers alike)
     registered = [self._parameter_names.get(q) for group in self.param_groups for q in group["params"]]
-    state.fused.plan([GLOBAL_KEY] + registered, state.sparse_numels, state.bucket_cap_mb)
+    state.plan_keys = [GLOBAL_KEY] + registered
+    state.fused.plan(state.plan_keys, state.sparse_numels, state.bucket_cap_mb)
     if groups is not None:
         self._hvd_topk.collectives.set_groups(_key_groups(self, groups))
     if momentum_correction:

@@ -97,18 +97,21 @@ class Reduction(NamedTuple):
         return cls(op)
 
 
-def agree(values, name, average=True):
-    """``values`` averaged over the ranks (or rank 0's with ``average=False``), as rank 0 holds them.
+def agree(values, name, average=True, process_set=mpi_ops.global_process_set):
+    """``values`` averaged over the ranks of ``process_set`` (or its first rank's with ``average=False``),
+    as that rank holds them.
 
     The broadcast makes the bits identical everywhere (an allreduce alone may round differently per
     rank), so decisions taken from the result are the same on every rank. Collective.
     """
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if mpi_ops.size() == 1:
+    size = process_set.size()
+    if size == 1:
         return t.tolist()
     if average:
-        t = wait(mpi_ops.allreduce_async(t, op=mpi_ops.Sum, name=f"{name}.sum")) / mpi_ops.size()
-    return wait(mpi_ops.broadcast_async(t, root_rank=0, name=name)).tolist()
+        t = wait(mpi_ops.allreduce_async(t, op=mpi_ops.Sum, name=f"{name}.sum", process_set=process_set)) / size
+    return wait(mpi_ops.broadcast_async(t, root_rank=process_set.ranks[0], name=name,
+                                        process_set=process_set)).tolist()
 
 
 def finite_flag(finite, like):
