@@ -9,12 +9,47 @@ import torch
 from conftest import assert_identical_across_ranks, job
 from hvd_topk.core.buckets import cap_numel, flag_of, frame, offsets, plan_buckets, read_frame, signature, wire_kind
 from hvd_topk.core.codec import pack, unpack
+from hvd_topk.core.sparsify import k_for
 from hvd_topk.step.stats import StepStats, hidden_share
 
 # 3 ranks share 2 cores here, where each collective costs several times its 2-rank time (20 runs of 8
 # steps: 22 s of the fast loop); 4 steps still carry residuals through 3 steps and every phase.
 JOBS = {2: job(2, "fused.py"), 3: job(3, "fused.py", "--steps", 4)}
 RUNS = [(door, communication) for door in ("opt", "stock") for communication in ("split_reduce", "allgather")]
+
+
+@pytest.mark.jobs(*JOBS.values())
+@pytest.mark.parametrize("np", (2, 3))
+@pytest.mark.parametrize("communication", ("split_reduce", "allgather"))
+def test_global_selection_sends_an_embedding_table_alone_and_resumes_exactly(results, np, communication):
+    """``selection='global'`` over an embedding table and two linear layers: every rank measures the
+    table's gradient row-sparse at the first step, so it keeps its own k beside the pooled layers (two
+    transports a step, where the pool alone would let the table and the layers share one k), in both
+    doors alike, bit for bit; the split survives a checkpoint, and a run resumed halfway ends where the
+    straight run ends."""
+    ranks = results(JOBS[np])
+    k_table, k_pool = k_for(1024 * 16, 0.05), k_for(16 * 64 + 64 * 16, 0.05)
+    halfway = 4 if np == 2 else 2                # the jobs' --steps // 2
+    straight = {door: ranks[0][(door, communication, "rows", None)] for door in ("opt", "stock")}
+    for door, run in straight.items():
+        for stop_at in (None, halfway):
+            assert_identical_across_ranks([res[(door, communication, "rows", stop_at)] for res in ranks])
+            assert ranks[0][(door, communication, "rows", stop_at)]["row_sparse"] == ["emb.weight"]
+        resumed = ranks[0][(door, communication, "rows", halfway)]["params"]
+        for name, value in run["params"].items():
+            assert torch.equal(resumed[name], value), (door, name)
+            assert torch.equal(straight["stock"]["params"][name], value), (door, name)
+        assert run["stats"]["sparse_tensors"] == 2, run["stats"]
+        nonzero = run["first_nonzero"]
+        pooled = nonzero["fc1.weight"] + nonzero["fc2.weight"]
+        if communication == "split_reduce":
+            # the largest k of the ranks' summed nominations (from 3 ranks the owners' shares of the k-th
+            # bin round down: up to one entry per owner fewer)
+            slack = 0 if np == 2 else np
+            for count, k in ((nonzero["emb.weight"], k_table), (pooled, k_pool)):
+                assert k - slack <= count <= k, nonzero
+        else:                                    # every rank's own k, where they differ
+            assert k_table <= nonzero["emb.weight"] <= np * k_table and k_pool <= pooled <= np * k_pool, nonzero
 
 
 @pytest.mark.jobs(*JOBS.values())

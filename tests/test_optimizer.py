@@ -12,6 +12,7 @@ from hvd_topk import TopKEF
 from hvd_topk.core.codec import packed_nbytes
 from hvd_topk.core.sparsify import k_for
 from hvd_topk.core.wire import FLAG_BYTES, FRAME_BYTES
+from hvd_topk.step.bucket import regroup, zero_row_share
 
 from testbed.launch import JobFailed
 from testbed.pytest_jobs import Out
@@ -209,6 +210,56 @@ def test_error_feedback_invariant_single_process_plain_ef(hvd, selection, key):
             opt.step()
     residual = opt._hvd_topk.residuals.residuals[key].reshape(-1)
     torch.testing.assert_close(total_sent + residual, total_grad, rtol=0, atol=1e-10)
+
+
+def test_error_feedback_invariant_with_a_row_sparse_tensor_alone(hvd):
+    """Global selection over an embedding table and a linear layer: the table's gradient is row-sparse, so
+    it keeps its own k and its residual its own name; the layer is the pooled bucket. For each, in
+    float64: sum sent + residual = sum of the gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(512, 8, mode="mean"), nn.Linear(8, 64, bias=False)).double()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                        named_parameters=model.named_parameters(),
+                                        compression=TopKEF(ratio=0.05, min_numel=0))
+    params = dict(model.named_parameters())
+    total_grad = {n: torch.zeros(q.numel(), dtype=torch.float64) for n, q in params.items()}
+    total_sent = {n: torch.zeros(q.numel(), dtype=torch.float64) for n, q in params.items()}
+    for _ in range(12):
+        opt.zero_grad()
+        model(torch.randint(0, 512, (16, 8))).pow(2).sum().backward()    # about 120 of 512 rows
+        for n, q in params.items():
+            total_grad[n] += q.grad.reshape(-1)
+        opt.synchronize()
+        for n, q in params.items():
+            total_sent[n] += q.grad.reshape(-1)        # world size 1: aggregated == sent
+        assert [int((q.grad != 0).sum()) for q in params.values()] == [k_for(4096, 0.05), k_for(512, 0.05)]
+        with opt.skip_synchronize():
+            opt.step()
+    residuals = opt._hvd_topk.residuals.residuals
+    assert sorted(residuals) == ["0.weight", "__global__"]
+    for name, key in (("0.weight", "0.weight"), ("1.weight", "__global__")):
+        torch.testing.assert_close(total_sent[name] + residuals[key], total_grad[name], rtol=0, atol=1e-10)
+
+
+def test_bucket_residuals_are_regrouped_for_another_split_of_the_row_sparse_tensors():
+    """The optimizer's bucket residual (pooled keys in sorted order under ``__global__``, each row-sparse
+    one under its own name) laid out for another split, as after an elastic reset or from a checkpoint
+    written before the split, keeps every entry; one of another model's size is refused."""
+    numels = {"b": 2, "a": 3, "c": 4}
+    whole = torch.arange(9.0)                    # a, b, c pooled
+    residuals = {"__global__": whole.clone(), "dense.bias": torch.ones(1)}
+    regroup(residuals, numels, {"b"})
+    assert torch.equal(residuals["__global__"], torch.cat([whole[:3], whole[5:]]))
+    assert torch.equal(residuals["b"], whole[3:5]) and torch.equal(residuals["dense.bias"], torch.ones(1))
+    regroup(residuals, numels, {"a", "b", "c"})
+    assert "__global__" not in residuals and torch.equal(torch.cat([residuals[k] for k in "abc"]), whole)
+    regroup(residuals, numels, set())
+    assert sorted(residuals) == ["__global__", "dense.bias"] and torch.equal(residuals["__global__"], whole)
+    with pytest.raises(ValueError, match="the bucket's residual has 5 entries, its tensors 9"):
+        regroup({"__global__": torch.zeros(5)}, numels, set())
+    grad = torch.zeros(4, 3)
+    grad[1, 2] = 1.0
+    assert (zero_row_share(grad), zero_row_share(torch.zeros(8))) == (0.75, 0.0)
 
 
 def test_local_clipping_caps_each_gradient_norm(hvd):

@@ -78,7 +78,9 @@ class GlobalBucket:
             groups = self.groups(keys)
             flats = [[self.entries[k] for k in members] for _, members in groups]
             self.entries, self.shares = {}, {}
-            outcomes = send([(group, torch.cat(parts)) for (group, _), parts in zip(groups, flats)])
+            # a tensor alone is sent as it is (an embedding table is most of the model: no copy)
+            outcomes = send([(group, parts[0] if len(parts) == 1 else torch.cat(parts))
+                             for (group, _), parts in zip(groups, flats)])
             for (_, members), parts, outcome in zip(groups, flats, outcomes):
                 self._slice(members, parts, *outcome)
         return self.outputs.pop(key)

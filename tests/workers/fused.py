@@ -8,6 +8,9 @@ split_reduce and allgather, runs with exact values ('fp32') three times: every t
 (``bucket_cap_mb`` of one element), in several buckets, and in one bucket for the whole step; then once
 with the default 16-bit values, and once with ``selection='global'`` (exact values: one top-k over the
 step's tensors, both doors alike).
+Then a model with an embedding table, with ``selection='global'`` through both doors (``rows``): the
+table's gradient is row-sparse, so it is selected alone beside the pooled linear layers; each run goes
+``--steps`` steps straight, and half of them, a checkpoint (state dicts) and the rest in fresh objects.
 Writes ``<out>/rank<r>.pt``: per run the final parameters and the last step's stats.
 """
 import argparse
@@ -72,7 +75,60 @@ def train(door, communication, values, cap, selection="layerwise"):
     return {"params": {n: q.detach().clone() for n, q in model.named_parameters()}, "stats": stats}
 
 
+class Bag(nn.Module):
+    """An embedding table (each rank's 16 documents of 6 tokens touch at most 96 of its 1024 rows) and two
+    linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(1024, 16, mode="mean")
+        self.fc1, self.fc2 = nn.Linear(16, 64, bias=False), nn.Linear(64, 16, bias=False)
+
+    def forward(self, tokens):
+        return self.fc2(torch.tanh(self.fc1(self.emb(tokens))))
+
+
+def make_rows(door, communication):
+    model = Bag()
+    compression = hvd_topk.TopKEF(ratio=0.05, min_numel=0, named_parameters=model.named_parameters(),
+                                  communication=communication, values="fp32", selection="global")
+    base = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    wrap = hvd_topk.DistributedOptimizer if door == "opt" else hvd.DistributedOptimizer
+    return model, compression, wrap(base, named_parameters=model.named_parameters(), compression=compression)
+
+
+def train_rows(door, communication, stop_at=None):
+    """``--steps`` steps; with ``stop_at``, the state after that many goes into fresh objects first."""
+    torch.manual_seed(99)
+    model, compression, opt = make_rows(door, communication)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    first_nonzero = None
+    for step in range(args.steps):
+        if step == stop_at:
+            saved = [model.state_dict(), opt.state_dict(), compression.state_dict()]
+            model, compression, opt = make_rows(door, communication)
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+            if door == "stock":             # TopKEF keeps its own state; the optimizer's holds it
+                compression.load_state_dict(saved[2])
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+        tokens, target = torch.randint(0, 1024, (16, 6), generator=g), torch.randn(16, 16, generator=g)
+        ((model(tokens) - target) ** 2).mean().backward()
+        opt.step()                          # the parameters' .grad now hold the aggregates
+        if step == 0:
+            first_nonzero = {n: int((q.grad != 0).sum()) for n, q in model.named_parameters()}
+    state = opt.state_dict()["hvd_topk"] if door == "opt" else compression.state_dict()
+    return {"params": {n: q.detach().clone() for n, q in model.named_parameters()},
+            "stats": opt.stats() if door == "opt" else compression.stats(),
+            "first_nonzero": first_nonzero, "row_sparse": state["row_sparse"]}
+
+
 result = {}
+for door in ("opt", "stock"):
+    for communication in ("split_reduce", "allgather"):
+        for stop_at in (None, args.steps // 2):
+            result[(door, communication, "rows", stop_at)] = train_rows(door, communication, stop_at)
 for door in ("opt", "stock"):
     for communication in ("split_reduce", "allgather"):
         for label, cap in CAPS.items():
