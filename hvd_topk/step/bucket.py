@@ -51,6 +51,7 @@ class GlobalBucket:
         self.agree = agree
         self.entries, self.shares = {}, {}    # key -> flat tensor of this step; its zero-row share
         self.outputs = {}                     # key -> Part, not yet handed out
+        self.pending = None                   # (groups, their flats, finish) of a step sent, not finished
         self.alone = None                     # the row-sparse keys, each selected alone; None: not yet measured
 
     def add(self, key, flat, grad):
@@ -66,22 +67,31 @@ class GlobalBucket:
         pooled = [k for k in keys if k not in self.alone]
         return ([(GLOBAL_KEY, pooled)] if pooled else []) + [(k, [k]) for k in keys if k in self.alone]
 
-    def output(self, key, send):
-        """``key``'s ``Part``. On the first call of a step, ``send([(transport key, flat), ...])`` runs the
-        transport over each group (``groups``) and returns, per group, (aggregate or None, indices or None,
-        new residual or None); every entry gets its slice of its group's."""
+    def start(self, start):
+        """Send the step's tensors now: ``start([(transport key, flat), ...])`` starts the transport over
+        each group (``groups``) and returns ``finish()`` -> per group (aggregate or None, indices or None,
+        new residual or None)."""
+        keys = sorted(self.entries)
+        if self.alone is None:
+            shares = self.agree([self.shares[k] for k in keys])
+            self.alone = {k for k, s in zip(keys, shares) if s > ROW_SPARSE_SHARE}
+        groups = self.groups(keys)
+        flats = [[self.entries[k] for k in members] for _, members in groups]
+        self.entries, self.shares = {}, {}
+        # a tensor alone is sent as it is (an embedding table is most of the model: no copy)
+        finish = start([(group, parts[0] if len(parts) == 1 else torch.cat(parts))
+                        for (group, _), parts in zip(groups, flats)])
+        self.pending = (groups, flats, finish)
+
+    def output(self, key, start):
+        """``key``'s ``Part``: at the first call of a step the tensors are sent (``start``) unless they
+        were, and the transports finish; every entry gets its slice of its group's outcome."""
         if self.entries:
-            keys = sorted(self.entries)
-            if self.alone is None:
-                shares = self.agree([self.shares[k] for k in keys])
-                self.alone = {k for k, s in zip(keys, shares) if s > ROW_SPARSE_SHARE}
-            groups = self.groups(keys)
-            flats = [[self.entries[k] for k in members] for _, members in groups]
-            self.entries, self.shares = {}, {}
-            # a tensor alone is sent as it is (an embedding table is most of the model: no copy)
-            outcomes = send([(group, parts[0] if len(parts) == 1 else torch.cat(parts))
-                             for (group, _), parts in zip(groups, flats)])
-            for (_, members), parts, outcome in zip(groups, flats, outcomes):
+            self.start(start)
+        if self.pending is not None:
+            groups, flats, finish = self.pending
+            self.pending = None
+            for (_, members), parts, outcome in zip(groups, flats, finish()):
                 self._slice(members, parts, *outcome)
         return self.outputs.pop(key)
 
@@ -97,7 +107,7 @@ class GlobalBucket:
     def forget(self):
         """An abandoned step or an elastic reset (on every rank alike): its tensors go, and the row-sparse
         ones are measured anew at the next step (a new rank has not measured them)."""
-        self.entries, self.shares, self.outputs, self.alone = {}, {}, {}, None
+        self.entries, self.shares, self.outputs, self.alone, self.pending = {}, {}, {}, None, None
 
 
 def regroup(residuals, numels, alone):

@@ -51,9 +51,9 @@ class GlobalSelection:
         return tuple(None if t is None else t.to(reduced.dtype) for t in (part.aggregate, part.residual))
 
     def _run(self, groups, reduced, key):
-        """The transport over each of the bucket's groups (the pooled tensors, each row-sparse one), all
-        started before any finishes; ``reduced`` is ``key``'s token, which says whether Horovod averaged.
-        Returns, per group, (aggregate or None, None, new residual or None)."""
+        """Start the transport over each of the bucket's groups (the pooled tensors, each row-sparse one);
+        ``reduced`` is ``key``'s token, which says whether Horovod averaged. Returns ``finish()`` -> per
+        group (aggregate or None, None, new residual or None)."""
         stats = self.transports.stats
         transport = self.transports.own[self.transports.communication]
         started = []
@@ -61,12 +61,12 @@ class GlobalSelection:
             for group, flat in groups:
                 acc_sq, finite = sq_norm_finite(flat)
                 started.append((flat, acc_sq, transport.start(group, flat, k_for(flat.numel(), self.ratio), finite)))
-        outcomes = []
-        for flat, acc_sq, each in started:
-            stats.add_sent(each.nbytes, each.sent_sq, acc_sq)
-            aggregate, residual = self.transports.receive(reduced, key, flat.shape, each, None, flat)
-            outcomes.append((aggregate, None, residual))
-        return outcomes
+        return lambda: [self._finish(reduced, key, *each) for each in started]
+
+    def _finish(self, reduced, key, flat, acc_sq, started):
+        self.transports.stats.add_sent(started.nbytes, started.sent_sq, acc_sq)
+        aggregate, residual = self.transports.receive(reduced, key, flat.shape, started, None, flat)
+        return aggregate, None, residual
 
     def forget(self):
         """An abandoned step or an elastic reset: its kept accumulators go (their residuals were never

@@ -12,6 +12,7 @@
    the decision is the same everywhere), advances the step and the schedule, and lets the tuner and the
    VAR leaders act. Everything a decision reads is identical on all ranks.
 """
+import functools
 import math
 import time
 from typing import NamedTuple, Optional
@@ -25,7 +26,7 @@ from .routing import route
 from ..core.memory import StepCommits
 from ..core.sparsify import sq_norm_finite
 
-__all__ = ["StepConfig", "StepUnits", "StepCoordinator", "send_bucket", "split_bucket"]
+__all__ = ["StepConfig", "StepUnits", "StepCoordinator", "start_bucket", "split_bucket"]
 
 
 class StepConfig(NamedTuple):
@@ -87,10 +88,8 @@ class StepCoordinator:
         """Start the transport of p's gradient (``grad``, else ``p.grad``), or of ``update``, this rank's
         change of p, sent as it is; returns ``done() -> aggregated gradient``."""
         fresh = update if update is not None else p.grad if grad is None else grad
-        if update is not None:
-            g = update.reshape(-1)
-        else:
-            g = fresh.reshape(-1)
+        g = fresh.reshape(-1)
+        if update is None:                    # a gradient: unscaled, clipped
             if self.grad_scaler is not None:
                 g = g * (1.0 / self.grad_scaler.get_scale())
             g = clip_local(g, self.clip_grad_norm, self.collectives.process_set.size())
@@ -102,8 +101,10 @@ class StepCoordinator:
             return lambda: self.hand_out(name, p, started.finish().aggregate, None, u_new)
         if self.selection == "global":
             self.bucket.add(name, g, fresh)
-            part = lambda: self.bucket.output(name, lambda groups: send_bucket(self, groups))
-            return lambda: self.hand_out(name, p, *part()[:2], u_new)
+            start = functools.partial(start_bucket, self)
+            if len(self.bucket.entries) == len(self.bucket_numels):
+                self.bucket.start(start)      # the step's last compressed tensor: the bucket leaves now
+            return lambda: self.hand_out(name, p, *self.bucket.output(name, start)[:2], u_new)
         with self.stats.selecting():          # accumulate + select (packing apart)
             pending = self._start(name, g)
         self.sent_keys.add(name)
@@ -178,15 +179,16 @@ class StepCoordinator:
         return nonfinite
 
 
-def send_bucket(c, groups):
-    """The global bucket's groups (``bucket.GlobalBucket.output``) through ``c``'s transports, at
-    synchronize(): all start, then each finishes. Returns, per group, (aggregate or None, indices, None)."""
+def start_bucket(c, groups):
+    """Start the global bucket's groups (``bucket.GlobalBucket.start``) through ``c``'s transports, as
+    soon as the step's last compressed tensor is submitted (or at synchronize(), where Horovod submits
+    a gradient unused on this rank); returns ``finish()`` -> per group (aggregate or None, indices, None)."""
     if c.bucket.alone != c.bucket_split:  # measured this step: the first, or the first after a reset
         split_bucket(c, c.bucket.alone)
     with c.stats.selecting():
         pending = [(key, c._start(key, flat)) for key, flat in groups]
     # the pooled tensors' residual stays whole, under GLOBAL_KEY; a row-sparse one's under its name
-    return [(*c._finish(key, started), None) for key, started in pending]
+    return lambda: [(*c._finish(key, started), None) for key, started in pending]
 
 
 def split_bucket(c, alone):
