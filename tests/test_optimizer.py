@@ -1,4 +1,5 @@
 """hvd_topk.DistributedOptimizer: bad input in one process; behaviour in real multi-rank jobs."""
+import copy
 import dataclasses
 import re
 import warnings
@@ -239,6 +240,41 @@ def test_error_feedback_invariant_with_a_row_sparse_tensor_alone(hvd):
     assert sorted(residuals) == ["0.weight", "__global__"]
     for name, key in (("0.weight", "0.weight"), ("1.weight", "__global__")):
         torch.testing.assert_close(total_sent[name] + residuals[key], total_grad[name], rtol=0, atol=1e-10)
+
+
+def test_a_checkpoint_from_before_the_row_sparse_split_resumes_as_one_with_it(hvd):
+    """A state written before row-sparse tensors went alone (the bucket's residual whole, no
+    ``row_sparse``), loaded into an optimizer that has split its bucket, gives the next step bit for bit
+    what the same state in today's layout gives: the residuals are laid out anew, none lost."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(512, 8, mode="mean"), nn.Linear(8, 64, bias=False))
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters(),
+                                        compression=TopKEF(ratio=0.05, min_numel=0))
+    batches = [torch.randint(0, 512, (16, 8), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def step(tokens):
+        opt.zero_grad()
+        model(tokens).pow(2).sum().backward()
+        opt.step()
+
+    for tokens in batches[:3]:
+        step(tokens)
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    ours = state["hvd_topk"]
+    assert ours["row_sparse"] == ["0.weight"] and sorted(ours["residuals"]) == ["0.weight", "__global__"]
+    older = copy.deepcopy(state)
+    residuals = older["hvd_topk"]["residuals"]
+    residuals["__global__"] = torch.cat([residuals.pop("0.weight"), residuals["__global__"]])   # sorted keys
+    del older["hvd_topk"]["row_sparse"]
+    after = []
+    for saved in (state, older):
+        model.load_state_dict(weights)
+        opt.load_state_dict(copy.deepcopy(saved))
+        step(batches[3])
+        after.append([q.detach().clone() for q in model.parameters()])
+    for today, before in zip(*after):
+        assert torch.equal(today, before)
 
 
 def test_bucket_residuals_are_regrouped_for_another_split_of_the_row_sparse_tensors():

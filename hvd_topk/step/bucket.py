@@ -11,7 +11,7 @@ instead, each sent alone beside the pooled rest. Pooled, a table lost to the sma
 took far more than their share of the budget, and the embedding model took 1.13x dense's steps against
 layer-wise selection's 0.88x (docs/optimizer.md, ``selection``). Which tensors are row-sparse is measured
 once, at the first step (or the first after an elastic reset): each rank's share of all-zero rows,
-averaged over the ranks by one allreduce, so every rank splits the bucket alike.
+averaged over the ranks by one allreduce and a broadcast, so every rank splits the bucket alike.
 """
 from typing import NamedTuple, Optional
 

@@ -242,12 +242,11 @@ def load_coordinator_state(c, state, check=True):
     c.step = state["step"]
     c.schedule.load_state_dict(state)
     c.residuals.load_state_dict(state["residuals"])
-    if c.selection == "global":           # without it (an older checkpoint): measured at the next step
-        c.bucket.forget()
+    if c.selection == "global":           # the residuals' layout follows the saved split; without one
+        c.bucket.forget()                 # (an older checkpoint: all pooled) it is measured at the next step
         row_sparse = state.get("row_sparse")
-        if row_sparse is not None:
-            c.bucket.alone = set(row_sparse)
-            split_bucket(c, c.bucket.alone)
+        c.bucket.alone = None if row_sparse is None else set(row_sparse)
+        split_bucket(c, c.bucket.alone or set())
     c.momentum.load_state_dict(state["velocities"])
     c.index_sets.load_state_dict(state["index_sets"])
     c.leaders.load_state_dict(state)
