@@ -104,8 +104,8 @@ def selection_of(chosen, communication, pinned=False):
     """The selection a step runs: ``'global'`` if one of ``chosen`` (the selections the user gave, None
     where not given) says so, else ``'layerwise'`` if one says so. Neither given (the default): one top-k
     over the step's compressed tensors (``'global'``) where every rank selects its own top-k
-    (``OWN_COLLECTIVES``): it reached dense - 1 pt in fewer steps than layer-wise on 3 of the 4 tasks
-    measured, and as few on the fourth, the embedding model, once its table went alone
+    (``OWN_COLLECTIVES``): it reached dense - 1 pt in fewer steps than layer-wise on the MLP and the wide
+    CNN, in as few on the embedding model once its table went alone, and ended lower on the LM
     (docs/optimizer.md, ``selection``). Else ``'layerwise'``: AR-Topk (in ``TopKEF`` its values ride
     Horovod's allreduce tensor by tensor; the optimizer follows, so the two doors agree), ``'auto'`` and
     pinned tensors (chosen per tensor), dense and low rank (nothing is selected). ValueError for
