@@ -92,7 +92,7 @@ class TopKEF(CompressorDoor):
             stays in the residual.
         bucket_cap_mb: split_reduce and allgather send the tensors in buckets of at most this many MB of
             float32 gradient, each as soon as its gradients are ready (from the second step); 0: one bucket.
-        selection: ``'global'`` (one top-k over the step's compressed tensors at the first ``decompress``,
+        selection: ``'global'`` (one top-k over the step's compressed tensors once the last is compressed,
             row-sparse ones alone), ``'layerwise'`` or None (default: global; with ``'artopk'`` layer-wise).
 
     Example:
@@ -156,8 +156,8 @@ class TopKEF(CompressorDoor):
             part.forget()
 
     def _after_compress(self):
-        if self.keys.step_complete():
-            self.transports.flush()            # the step's last gradient: AR-Topk's index sets leave
+        if self.keys.step_complete():          # the step's last gradient: AR-Topk's index sets leave,
+            (self.pool or self.transports).flush()      # or the global bucket
 
     def _end_step(self):
         self.transports.flush()                # unless the last compress did (not in the first step)

@@ -40,6 +40,13 @@ def test_global_selection_sends_an_embedding_table_alone_and_resumes_exactly(res
             assert torch.equal(resumed[name], value), (door, name)
             assert torch.equal(straight["stock"]["params"][name], value), (door, name)
         assert run["stats"]["sparse_tensors"] == 2, run["stats"]
+        if door == "stock":
+            # TopKEF's bucket leaves in the step's last compress, from the second step on (and from the
+            # second after a resume): in a first step the row-sparse measurement's collective blocks
+            for stop_at in (None, halfway):
+                left = ranks[0][(door, communication, "rows", stop_at)]["left"]
+                assert [sent for sent, _ in left] == [step not in (0, stop_at) for step in range(len(left))], left
+                assert any(drained for sent, drained in left if sent), left    # its phases done there
         nonzero = run["first_nonzero"]
         pooled = nonzero["fc1.weight"] + nonzero["fc2.weight"]
         if communication == "split_reduce":
@@ -50,6 +57,17 @@ def test_global_selection_sends_an_embedding_table_alone_and_resumes_exactly(res
                 assert k - slack <= count <= k, nonzero
         else:                                    # every rank's own k, where they differ
             assert k_table <= nonzero["emb.weight"] <= np * k_table and k_pool <= pooled <= np * k_pool, nonzero
+
+
+@pytest.mark.jobs(JOBS[2])
+def test_drain_gives_up_at_its_deadline_while_a_rank_is_late(results):
+    """``Buckets.drain`` (TopKEF's wait in its last compress) never waits past its deadline: with rank 1 a
+    second late, rank 0 leaves its 0.2 s drain with the bucket still in flight, and ``finish`` then
+    completes it on both ranks alike."""
+    ranks = results(JOBS[2])
+    late = [res["late"] for res in ranks]
+    assert late[0]["in_flight"] and 0.2 <= late[0]["waited"] < 0.9, late[0]
+    assert late[0]["gathered"] == late[1]["gathered"] == [0.0, 1.0], late
 
 
 @pytest.mark.jobs(*JOBS.values())

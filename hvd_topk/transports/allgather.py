@@ -92,6 +92,10 @@ class SparseAllgather:
         self.stats, self.mismatch_hint = stats, mismatch_hint
         self.buckets = Buckets(name, self._phases, stats)
 
+    def drain(self, until):
+        """Advance the buckets in flight until done or ``until`` (``Buckets.drain``); never blocks."""
+        self.buckets.drain(until)
+
     def forget(self):
         """Nothing outlives a step but the bucket plan."""
         self.buckets.forget()

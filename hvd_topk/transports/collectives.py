@@ -17,7 +17,7 @@ import torch
 from horovod.torch import mpi_ops
 
 __all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait", "reduce_scatter_async",
-           "Scatter", "reduce_scatter_wait", "add_rows"]
+           "Scatter", "reduce_scatter_wait", "add_rows", "nap"]
 
 # wait()'s sleeps between polls: an eighth of the time waited so far, from 20 us to at most 1 ms, so that
 # a short wait ends soon after its collective and a long one wakes 1,000 times a second. Not at most
@@ -40,8 +40,15 @@ def wait(handle):
     Errors are ``synchronize``'s own (a finished ``poll`` leaves them to it)."""
     start = time.monotonic()
     while not _SPIN and not mpi_ops.poll(handle):
-        time.sleep(min(max(_FIRST_SLEEP_S, (time.monotonic() - start) / 8), _LONGEST_SLEEP_S))
+        nap(start)
     return mpi_ops.synchronize(handle)
+
+
+def nap(since):
+    """One of ``wait``'s sleeps between polls, for a wait that began at ``since`` (``time.monotonic()``);
+    none with HVD_TOPK_SPIN_WAIT=1."""
+    if not _SPIN:
+        time.sleep(min(max(_FIRST_SLEEP_S, (time.monotonic() - since) / 8), _LONGEST_SLEEP_S))
 
 
 class Scatter(NamedTuple):

@@ -29,7 +29,7 @@ import time
 
 from horovod.torch import mpi_ops
 
-from .collectives import wait
+from .collectives import nap, wait
 
 __all__ = ["Buckets"]
 
@@ -111,6 +111,19 @@ class Buckets:
         for bucket in sorted(self.flights, key=_order):
             while bucket in self.flights and mpi_ops.poll(self.flights[bucket][2]):
                 self._next(bucket, mpi_ops.synchronize(self.flights[bucket][2]))
+
+    def drain(self, until):
+        """``advance`` with ``wait``'s short sleeps between polls until no bucket is in flight or
+        ``time.monotonic()`` reaches ``until``: the sleeps count as waits of the first bucket's phase.
+        Never blocks on a collective, so it keeps rule 3 (a caller may give up on a rank that is late)."""
+        start = time.monotonic()
+        self.advance()
+        while self.flights and time.monotonic() < until:
+            t0 = time.perf_counter()
+            nap(start)
+            if self.stats is not None:
+                self.stats.add_wait(self.flights[min(self.flights, key=_order)][1], time.perf_counter() - t0)
+            self.advance()
 
     def forget(self):
         """Drop this step's buckets (an abandoned step); the plan stays."""

@@ -104,6 +104,9 @@ class Hierarchical:
         # the squared norm of what leaves is known only after the host's sum: not counted (0.0)
         return Started(started.numel * acc.element_size(), 0.0, finish)
 
+    def drain(self, until):
+        """Nothing to advance before ``finish``: its later steps start there (``_run_all``)."""
+
     def forget(self):
         """Drop what was shared with the old set of ranks."""
         self.inflight, self.outcomes = {}, {}

@@ -64,6 +64,10 @@ class SplitReduce:
         self.mismatch_hint, self.budget = mismatch_hint, budget
         self.buckets = Buckets(name, self._phases, stats)
 
+    def drain(self, until):
+        """Advance the buckets in flight until done or ``until`` (``Buckets.drain``); never blocks."""
+        self.buckets.drain(until)
+
     def forget(self):
         """Drop what was shared with the old set of ranks: buckets in flight, the regions."""
         self.buckets.forget()

@@ -11,16 +11,19 @@ step's tensors, both doors alike).
 Then a model with an embedding table, with ``selection='global'`` through both doors (``rows``): the
 table's gradient is row-sparse, so it is selected alone beside the pooled linear layers; each run goes
 ``--steps`` steps straight, and half of them, a checkpoint (state dicts) and the rest in fresh objects.
+With 2 ranks, first: a bucket's ``drain`` while rank 1 comes a second late (``late``).
 Writes ``<out>/rank<r>.pt``: per run the final parameters and the last step's stats.
 """
 import argparse
 import os
+import time
 
 import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
 import hvd_topk
+from hvd_topk.transports.fused import Buckets
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -102,7 +105,7 @@ def train_rows(door, communication, stop_at=None):
     torch.manual_seed(99)
     model, compression, opt = make_rows(door, communication)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    first_nonzero = None
+    first_nonzero, left = None, []
     for step in range(args.steps):
         if step == stop_at:
             saved = [model.state_dict(), opt.state_dict(), compression.state_dict()]
@@ -115,16 +118,34 @@ def train_rows(door, communication, stop_at=None):
         g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
         tokens, target = torch.randint(0, 1024, (16, 6), generator=g), torch.randn(16, 16, generator=g)
         ((model(tokens) - target) ** 2).mean().backward()
+        if door == "stock":                 # TopKEF's bucket left in the last compress; drained there?
+            transport = compression.transports.own[communication]
+            left.append((compression.pool.bucket.pending is not None, not transport.buckets.flights))
         opt.step()                          # the parameters' .grad now hold the aggregates
         if step == 0:
             first_nonzero = {n: int((q.grad != 0).sum()) for n, q in model.named_parameters()}
     state = opt.state_dict()["hvd_topk"] if door == "opt" else compression.state_dict()
     return {"params": {n: q.detach().clone() for n, q in model.named_parameters()},
             "stats": opt.stats() if door == "opt" else compression.stats(),
-            "first_nonzero": first_nonzero, "row_sparse": state["row_sparse"]}
+            "first_nonzero": first_nonzero, "row_sparse": state["row_sparse"], "left": left}
 
 
-result = {}
+def late_rank():
+    """``Buckets.drain`` gives up at its deadline while rank 1 is late, and ``finish`` then completes."""
+    def phases(name, items):
+        gathered = yield "gather", hvd.allgather_async(torch.tensor([float(hvd.rank())]), name=f"{name}.late")
+        return {key: gathered for key in items}
+    buckets = Buckets("test.drain", phases)
+    if hvd.rank() == 1:
+        time.sleep(1.0)
+    buckets.add("x", None)
+    t0 = time.monotonic()
+    buckets.drain(t0 + 0.2)
+    waited, in_flight = time.monotonic() - t0, bool(buckets.flights)
+    return {"waited": waited, "in_flight": in_flight, "gathered": buckets.finish("x").tolist()}
+
+
+result = {"late": late_rank()} if hvd.size() == 2 else {}
 for door in ("opt", "stock"):
     for communication in ("split_reduce", "allgather"):
         for stop_at in (None, args.steps // 2):
