@@ -19,9 +19,9 @@ from its own batch of bench/tasks.py's ``mlp`` task) and compares, at ratio 0.01
 Tensors under 1024 elements go dense, as the library's default min_numel. Writes records.json (the
 accuracy every 20 steps per seed and arm), table.md and manifest.json next to this file:
 
-    PYTHONPATH=. python bench/results/ef_variants_emulated_mlp_np4/emulate.py --seeds 0,1,2
+    python -m bench.results.ef_variants_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2
 
-(about 25 minutes of one core per arm and seed, on a 2-core Intel Xeon; ``--jobs`` at once).
+(13 minutes on the idle 2-core Intel Xeon: ``--jobs`` runs of an arm and a seed at once).
 """
 import argparse
 import json
