@@ -127,7 +127,7 @@ def selection_of(chosen, communication, pinned=False):
 
 def check_stock_selection(settings):
     """``TopKEF``'s selection (``selection_of``), or ValueError where it cannot select globally: its global
-    selection sends the step's accumulators at the first ``decompress``, through a transport that carries its
+    selection sends the step's accumulators once all are compressed, through a transport that carries its
     own values; artopk's values ride in Horovod's allreduce, each tensor's as ``compress`` returns them,
     before the step's others exist."""
     if settings.selection == "global" and settings.communication not in GLOBAL_STOCK_COMMUNICATIONS:

@@ -18,8 +18,8 @@ drives) with Horovod's public asynchronous collectives, named per parameter:
 - ``dense`` (or ratio 1.0): the gradient + one flag go to Horovod's allreduce: dense Horovod.
 
 Global selection (the default with split_reduce, allgather and hierarchical): ``compress`` keeps each
-accumulator and hands Horovod the token; the step's first ``decompress`` runs one top-k over all of them
-(``hvd_topk.step.compressor_global``), residuals still per parameter.
+accumulator and hands Horovod the token; the step's last ``compress`` (else its first ``decompress``) runs
+one top-k over all of them (``hvd_topk.step.compressor_global``), residuals still per parameter.
 
 Which parameter a gradient belongs to: ``gradient_keys``. Horovod's ``op`` may be Average or Sum
 (``gradient_predivide_factor`` included); Adasum raises at the first step, on every rank, and so does

@@ -12,7 +12,7 @@ with layer-wise selection.
 
 Every gradient's token is read before its slice is handed out: Horovod's op (Sum or Average) scales the
 aggregate, and a key the ranks disagree on raises on every rank before any value is used (values may
-have left in ``flush``; the transports' frames name their key and size, so they are never mixed up).
+have left in ``flush`` already; none of them is used before that check).
 The transport is one that starts its own collectives
 (``transports.build.OWN_COLLECTIVES``): only those can wait for the step's last gradient
 (``hvd_topk.arguments.check_stock_selection``).
@@ -67,6 +67,7 @@ class GlobalSelection:
         self.transports.flush()
         if self.bucket.alone is None or not self.bucket.entries:
             return
+        self.transports.stats.syncing()       # its waits are the step's synchronization from here
         self.bucket.start(self._run)
         self.transports.own[self.transports.communication].drain(time.monotonic() + DRAIN_S)
 

@@ -16,7 +16,8 @@ owner kept everything).
 Where the step's time went (seconds, docs/optimizer.md "Where a step's time goes"): ``time_step_s`` from the end
 of the last step's synchronization to the end of this one's, split into ``time_select_s`` (accumulate + select),
 ``time_pack_s`` (coding the messages), ``time_sync_s`` (synchronize: waiting for and unpacking the aggregates;
-TopKEF: from its step's first decompress to its last, less the selecting and packing done there),
+TopKEF: from its step's first decompress, or the last compress where its global bucket left, to its last
+decompress, less the selecting and packing done there),
 ``time_optimizer_s`` (the wrapped optimizer's step, inside this window: the last step's; TopKEF cannot see it)
 and ``time_compute_s``, the rest: forward and backward not overlapped with our work. Of ``time_sync_s``:
 ``time_wait_s`` blocked on the fused transports' collectives (also per phase, ``time_wait_<phase>_s``, with
