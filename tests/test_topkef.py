@@ -296,6 +296,25 @@ def test_global_selection_takes_the_top_k_of_all_tensors_and_keeps_residuals_per
     assert TopKEF(ratio=0.05, selection="global").state_dict()["selection"] == "global"
 
 
+def test_a_gradient_after_the_global_bucket_left_names_the_cause(hvd):
+    """From the second step the bucket leaves in the compress that completes the previous step's set of
+    gradients; a gradient compressed after it in the same step raises, naming it, instead of being
+    left out of the step's one top-k (or sent as a second pool)."""
+    params = {name: torch.nn.Parameter(torch.zeros(300)) for name in ("a", "b", "late")}
+    comp = TopKEF(ratio=0.05, min_numel=0, named_parameters=params.items(), selection="global")
+
+    def compress(name):
+        params[name].grad = torch.randn(300)
+        return comp.compress(params[name].grad)
+    compressed = [compress("a"), compress("b")]
+    for out, ctx in compressed:
+        comp.decompress(out.clone(), ctx)
+    compress("a"), compress("b")                          # the previous step's set: the bucket leaves
+    assert comp.pool.bucket.pending is not None
+    with pytest.raises(ValueError, match="'late' came after the step's bucket left"):
+        compress("late")
+
+
 def test_the_optimizer_selects_globally_when_topkef_does(hvd):
     import torch.nn as nn
 
