@@ -17,7 +17,8 @@ import torch
 from horovod.torch import mpi_ops
 
 __all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait", "reduce_scatter_async",
-           "Scatter", "reduce_scatter_wait", "add_rows", "nap"]
+           "Scatter", "reduce_scatter_wait", "add_rows", "nap",
+           "ranks_share_cores"]
 
 # wait()'s sleeps between polls: an eighth of the time waited so far, from 20 us to at most 1 ms, so that
 # a short wait ends soon after its collective and a long one wakes 1,000 times a second. Not at most
@@ -42,6 +43,14 @@ def wait(handle):
     while not _SPIN and not mpi_ops.poll(handle):
         nap(start)
     return mpi_ops.synchronize(handle)
+
+
+def ranks_share_cores():
+    """Whether this host runs more of the job's ranks than it has cores: then a rank that spins while it
+    waits takes the CPU from the ranks still working, and one that sleeps gives it back
+    (docs/studies/2026-11-wait-poll-vs-spin.md). Each rank's own affinity is not counted: ranks bound
+    to a core each share none."""
+    return mpi_ops.local_size() > (os.cpu_count() or 1)
 
 
 def nap(since):

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 import hvd_topk
+from hvd_topk.transports.collectives import ranks_share_cores
 from hvd_topk.transports.fused import Buckets
 
 p = argparse.ArgumentParser()
@@ -127,7 +128,8 @@ def train_rows(door, communication, stop_at=None):
     state = opt.state_dict()["hvd_topk"] if door == "opt" else compression.state_dict()
     return {"params": {n: q.detach().clone() for n, q in model.named_parameters()},
             "stats": opt.stats() if door == "opt" else compression.stats(),
-            "first_nonzero": first_nonzero, "row_sparse": state["row_sparse"], "left": left}
+            "first_nonzero": first_nonzero, "row_sparse": state["row_sparse"], "left": left,
+            "shared_cores": ranks_share_cores()}
 
 
 def late_rank():
