@@ -18,8 +18,8 @@ drives) with Horovod's public asynchronous collectives, named per parameter:
 - ``dense`` (or ratio 1.0): the gradient + one flag go to Horovod's allreduce: dense Horovod.
 
 Global selection (the default with split_reduce, allgather and hierarchical): ``compress`` keeps each
-accumulator and hands Horovod the token; the step's last ``compress`` (else its first ``decompress``) runs
-one top-k over all of them (``hvd_topk.step.compressor_global``), residuals still per parameter.
+accumulator and hands Horovod the token; the step's first ``decompress`` (where ranks share cores, its last
+``compress``) runs one top-k over all of them (``hvd_topk.step.compressor_global``), residuals still per parameter.
 
 Which parameter a gradient belongs to: ``gradient_keys``. Horovod's ``op`` may be Average or Sum
 (``gradient_predivide_factor`` included); Adasum raises at the first step, on every rank, and so does
@@ -92,7 +92,7 @@ class TopKEF(CompressorDoor):
             stays in the residual.
         bucket_cap_mb: split_reduce and allgather send the tensors in buckets of at most this many MB of
             float32 gradient, each as soon as its gradients are ready (from the second step); 0: one bucket.
-        selection: ``'global'`` (one top-k over the step's compressed tensors once the last is compressed,
+        selection: ``'global'`` (one top-k over the step's compressed tensors once all are compressed,
             row-sparse ones alone), ``'layerwise'`` or None (default: global; with ``'artopk'`` layer-wise).
 
     Example:

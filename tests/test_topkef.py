@@ -7,6 +7,7 @@ import torch
 from hvd_topk import TopKEF
 from hvd_topk.compression import STOCK_COMMUNICATIONS
 from hvd_topk.core.sparsify import k_for
+from hvd_topk.step import compressor_global
 
 SPARSE = [c for c in STOCK_COMMUNICATIONS if c != "dense"]
 GLOBAL = ["split_reduce", "allgather", "hierarchical"]        # TopKEF(selection='global')'s sparse transports
@@ -296,10 +297,11 @@ def test_global_selection_takes_the_top_k_of_all_tensors_and_keeps_residuals_per
     assert TopKEF(ratio=0.05, selection="global").state_dict()["selection"] == "global"
 
 
-def test_a_gradient_after_the_global_bucket_left_names_the_cause(hvd):
-    """From the second step the bucket leaves in the compress that completes the previous step's set of
-    gradients; a gradient compressed after it in the same step raises, naming it, instead of being
-    left out of the step's one top-k (or sent as a second pool)."""
+def test_a_gradient_after_the_global_bucket_left_names_the_cause(hvd, monkeypatch):
+    """Where ranks share cores, from the second step the bucket leaves in the compress that completes the
+    previous step's set of gradients; a gradient compressed after it in the same step raises, naming
+    it, instead of being left out of the step's one top-k (or sent as a second pool)."""
+    monkeypatch.setattr(compressor_global, "ranks_share_cores", lambda: True)     # one rank: it shares none
     params = {name: torch.nn.Parameter(torch.zeros(300)) for name in ("a", "b", "late")}
     comp = TopKEF(ratio=0.05, min_numel=0, named_parameters=params.items(), selection="global")
 

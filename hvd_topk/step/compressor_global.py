@@ -2,8 +2,8 @@
 
 ``compress`` keeps each compressed gradient's accumulator (acc = grad + residual, per key) and hands
 Horovod only the ``op_token``. Once a rank holds the step's accumulators (``flush``: its last compress,
-from the second step on; else its first ``receive``: Horovod compresses every gradient of a step before
-it decompresses any) they go through the door's transport once, as one tensor (``bucket.GlobalBucket``,
+from the second step on, where ranks share cores; else its first ``receive``: Horovod compresses every
+gradient of a step before it decompresses any) they go through the door's transport once, as one tensor (``bucket.GlobalBucket``,
 the optimizer's: sorted key order, the same on every rank), with k = k_for(their total numel, ratio);
 row-sparse ones (embedding tables) go alone beside it, each with its own k. Each key gets its slice of the aggregate and of
 the new residual, so residuals stay per key in the door's ``ResidualMemory``: checkpoints, elastic resets
@@ -25,7 +25,7 @@ from ..transports.collectives import agree, ranks_share_cores
 
 __all__ = ["GlobalSelection", "DRAIN_S"]
 
-# The longest a rank advances the bucket's phases in its last compress where ranks share cores
+# The longest a rank advances the bucket's phases in its last compress, where ranks share cores
 # (``GlobalSelection.flush``). Ranks reach that point within a step's skew (milliseconds to a few hundred
 # on shared cores); a rank that does not come within it (its step compressed other gradients: an error at
 # the first decompress) is left to the first decompress, where the phases finish as in a step's first.
@@ -57,22 +57,22 @@ class GlobalSelection:
         return token
 
     def flush(self):
-        """The step's last gradient is compressed (from the second step: ``keys.step_complete``): the bucket
-        leaves now. Where ranks share cores (``ranks_share_cores``) this rank then advances its phases,
-        asleep between polls, until they are done or DRAIN_S has passed. Why: Horovod's ``synchronize()``
-        spins on the tokens until the slowest rank has compressed its last gradient, and the spinning
-        ranks take the CPU the slow ones need; asleep here, they give it back, and the tokens then find
-        every rank ready. Where every rank has a core, spinning costs nothing and the drain would put
-        the tokens' round after the bucket's instead of beside it (10% on a 2-rank small CNN's step):
-        there the phases only start. Not in a step whose row-sparse tensors are still to be measured
-        (the first, or the first after a reset): that measurement blocks on a collective."""
+        """The step's last gradient is compressed (from the second step: ``keys.step_complete``). Where
+        ranks share cores (``ranks_share_cores``) the bucket leaves now, and this rank advances its
+        phases, asleep between polls, until they are done or DRAIN_S has passed. Why: Horovod's
+        ``synchronize()`` spins on the tokens until the slowest rank has compressed its last gradient, and
+        the spinning ranks take the CPU the slow ones need; asleep here, they give it back, and the tokens
+        then find every rank ready. Where every rank has a core, spinning costs nothing, and leaving here
+        measured slower (a 2-rank small CNN's step: 1.63-1.87x dense's draining, 1.58-1.70x only starting,
+        1.48-1.52x at the first decompress): there the bucket leaves at the first decompress. Not in a step
+        whose row-sparse tensors are still to be measured (the first, or the first after a reset): that
+        measurement blocks on a collective."""
         self.transports.flush()
-        if self.bucket.alone is None or not self.bucket.entries:
+        if not ranks_share_cores() or self.bucket.alone is None or not self.bucket.entries:
             return
         self.transports.stats.syncing()       # its waits are the step's synchronization from here
         self.bucket.start(self._run)
-        drain_s = DRAIN_S if ranks_share_cores() else 0.0
-        self.transports.own[self.transports.communication].drain(time.monotonic() + drain_s)
+        self.transports.own[self.transports.communication].drain(time.monotonic() + DRAIN_S)
 
     def receive(self, reduced, key):
         """(``key``'s flat slice of the aggregate, or None where some rank was non-finite; its new residual
