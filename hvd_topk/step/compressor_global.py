@@ -1,21 +1,20 @@
 """Global selection in ``TopKEF`` (``selection='global'``): one top-k over every compressed gradient of a step.
 
 ``compress`` keeps each compressed gradient's accumulator (acc = grad + residual, per key) and hands
-Horovod only the ``op_token``. Once a rank holds the step's accumulators (``flush``: its last compress,
-from the second step on, where ranks share cores; else its first ``receive``: Horovod compresses every
-gradient of a step before it decompresses any) they go through the door's transport once, as one tensor (``bucket.GlobalBucket``,
-the optimizer's: sorted key order, the same on every rank), with k = k_for(their total numel, ratio);
-row-sparse ones (embedding tables) go alone beside it, each with its own k. Each key gets its slice of the aggregate and of
-the new residual, so residuals stay per key in the door's ``ResidualMemory``: checkpoints, elastic resets
-and the NaN rule (a non-finite entry anywhere: the transport's aggregate is None on every rank) work as
-with layer-wise selection.
+Horovod only the ``op_token``. Once a rank holds the step's accumulators (its first ``receive``: Horovod
+compresses every gradient of a step before it decompresses any; where ranks share cores, from the second
+step on, its last compress: ``flush``) they go through the door's transport once, as one tensor
+(``bucket.GlobalBucket``, the optimizer's: sorted key order, the same on every rank), with k =
+k_for(their total numel, ratio); row-sparse ones (embedding tables) go alone beside it, each with its
+own k. Each key gets its slice of the aggregate and of the new residual, so residuals stay per key in
+the door's ``ResidualMemory``: checkpoints, elastic resets and the NaN rule (a non-finite entry anywhere:
+the transport's aggregate is None on every rank) work as with layer-wise selection.
 
 Every gradient's token is read before its slice is handed out: Horovod's op (Sum or Average) scales the
 aggregate, and a key the ranks disagree on raises on every rank before any value is used (values may
-have left in ``flush`` already; none of them is used before that check).
-The transport is one that starts its own collectives
-(``transports.build.OWN_COLLECTIVES``): only those can wait for the step's last gradient
-(``hvd_topk.arguments.check_stock_selection``).
+have left in ``flush`` already; none of them is used before that check). The transport is one that
+starts its own collectives (``transports.build.OWN_COLLECTIVES``): only those can wait for the step's
+last gradient (``hvd_topk.arguments.check_stock_selection``).
 """
 import time
 

@@ -16,9 +16,8 @@ from typing import NamedTuple
 import torch
 from horovod.torch import mpi_ops
 
-__all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait", "reduce_scatter_async",
-           "Scatter", "reduce_scatter_wait", "add_rows", "nap",
-           "ranks_share_cores"]
+__all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait", "nap", "ranks_share_cores",
+           "reduce_scatter_async", "Scatter", "reduce_scatter_wait", "add_rows"]
 
 # wait()'s sleeps between polls: an eighth of the time waited so far, from 20 us to at most 1 ms, so that
 # a short wait ends soon after its collective and a long one wakes 1,000 times a second. Not at most
