@@ -188,17 +188,17 @@ def test_compressed_adam_within_one_point_of_dense(tmp_path):
 
 @pytest.mark.slow
 def test_lm_update_without_local_momentum_within_one_percent_of_dense(tmp_path):
-    """The LM at 2 blocks for 200 steps (its cosine schedule ends there): top-k 0.01 of each rank's AdamW
+    """The LM at 2 blocks for 100 steps (its cosine schedule ends there): top-k 0.01 of each rank's AdamW
     update, allgather, no local momentum: its final test loss within 1% of dense AdamW's. Measured
-    2026-11-29: dense 2.153, the recipe 2.129 (-1.1%), the same to the bit under horovodrun and mpirun
-    (78 s under mpirun, 93 s under horovodrun). The weaker configs fail the bound (measured when the
-    recipe was at 2.141): local momentum on 2.242 (+4.1%), split_reduce 2.180 (+1.3%). (At 400 steps:
-    2% held the recipe, +0.3%, and kept both out.)"""
-    s = bench_run(tmp_path, "--task", "lm-small", "--steps", "200", "--turn", "20", "--eval-every", "200", "--arms",
+    2026-11-30 in one run of the four arms: dense 2.270, the recipe 2.276 (+0.2%); the weaker configs
+    fail the bound: local momentum on 2.383 (+5.0%), split_reduce 2.308 (+1.7%). (At 200 steps, 2026-11-29:
+    dense 2.153, the recipe 2.129, at twice this test's cost; at 400 steps 2% held the recipe, +0.3%, and
+    kept both out.)"""
+    s = bench_run(tmp_path, "--task", "lm-small", "--steps", "100", "--turn", "20", "--eval-every", "100", "--arms",
                   "horovod dense,hvd_topk[communication=allgather,compress=update,local_momentum=false]",
                   *ACCURACY_LAUNCHER, timeout=2400)
     base, ours = (a["final_loss"] for a in s["arms"].values())
-    assert base < 2.25 and ours <= 1.01 * base, (base, ours)
+    assert base < 2.35 and ours <= 1.01 * base, (base, ours)
 
 
 @pytest.mark.slow
