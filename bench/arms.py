@@ -50,9 +50,12 @@ HOST_SETS = ("hierarchical", "auto")
 class Arm:
     """One arm in a run: its name, model copy, what the batch goes through, its optimizer and records."""
 
-    def __init__(self, name, model, forward, opt, kind, powersgd_state=None):
+    def __init__(self, name, model, forward, opt, kind, powersgd_state=None, compression=None):
         self.name, self.model, self.forward, self.opt, self.kind = name, model, forward, opt, kind
         self.powersgd_state = powersgd_state      # torch's PowerSGDState, for its compression rate
+        # what the runner reads stats() from after each step: hvd_topk's optimizer, else the TopKEF or
+        # PowerSGD inside stock Horovod's (its own step's split: the stock door's phases), else nothing
+        self.reporter = next((s for s in (opt, compression) if hasattr(s, "stats")), None)
         self.steps, self.step_s, self.measured_s, self.bytes, self.curve, self.stats = 0, [], [], [], [], []
 
 
@@ -64,7 +67,7 @@ class Build:
         self.model, self.task, self.index, self.overrides = model, task, index, overrides
         self.topk = {"ratio": ratio, **({} if min_numel is None else {"min_numel": min_numel})}
         self.named = [(f"a{index}.{n}", p) for n, p in model.named_parameters()]
-        self.kind, self.forward, self.powersgd_state = "horovod", model, None
+        self.kind, self.forward, self.powersgd_state, self.compression = "horovod", model, None, None
 
     def _split(self, **preset):
         """(TopKEF's keyword arguments, Horovod's optimizer arguments, the rest): the preset, then the
@@ -77,6 +80,7 @@ class Build:
     def horovod(self, compression, **horovod_args):
         """Stock ``hvd.DistributedOptimizer`` with ``compression`` (and the name's Horovod arguments)."""
         horovod_args = {**horovod_args, **{k: v for k, v in self.overrides.items() if k in HOROVOD_ARGS}}
+        self.compression = compression
         return hvd.DistributedOptimizer(self.task.make_opt(self.model), named_parameters=self.named,
                                         compression=compression, **horovod_args)
 
@@ -227,7 +231,7 @@ def build_arm(text, index, task, ratio, min_numel=None):
     opt = ARMS[name](build)
     if build.kind == "horovod":
         hvd.broadcast_parameters(build.model.state_dict(), root_rank=0)
-    return Arm(text, build.model, build.forward, opt, build.kind, build.powersgd_state)
+    return Arm(text, build.model, build.forward, opt, build.kind, build.powersgd_state, build.compression)
 
 
 def needs_host_sets(names):

@@ -16,7 +16,8 @@ Per arm:
   (both a collective, so a turn's bytes are its own, the counters' few hundred bytes included);
 - the evaluation curve: after every ``eval_every``-th step and the last, rank 0 evaluates, untimed,
   and a barrier follows: [steps, training seconds (sum of the step times so far), accuracy, loss];
-- ``stats()`` of the optimizer after each step, when it has one (numbers only), as it reports them;
+- ``stats()`` after each step (numbers only), as they are reported: hvd_topk's optimizer's, or, in stock
+  Horovod's optimizer, its TopKEF's or PowerSGD's;
 - whether the parameters are identical on every rank at the end.
 
 Horovod (``hvd.init``) runs when an arm uses it, torch.distributed's Gloo group when a DDP arm does;
@@ -101,8 +102,8 @@ def train_step(arm, task, spec, group, rank):
     elapsed = time.perf_counter() - t0
     arm.step_s.append(elapsed)
     arm.steps += 1
-    if hasattr(arm.opt, "stats"):
-        arm.stats.append({k: v for k, v in arm.opt.stats().items()
+    if arm.reporter is not None:
+        arm.stats.append({k: v for k, v in arm.reporter.stats().items()
                           if isinstance(v, (int, float)) and not isinstance(v, bool)})
     if arm.steps % spec["eval_every"] == 0 or arm.steps == arm.last_step:
         if rank == 0:

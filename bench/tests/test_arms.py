@@ -44,6 +44,10 @@ def test_every_arm_builds_and_steps(one_rank, name):
     assert not all(torch.equal(p, q) for p, q in zip(arm.model.parameters(), reference.parameters())), name
     assert all(torch.isfinite(p).all() for p in arm.model.parameters())
     assert hasattr(arm.opt, "stats") == name.startswith("hvd_topk")
+    # the stock door's arms report their TopKEF's or PowerSGD's own stats(), Horovod's dense and DDP none
+    assert (arm.reporter is not None) == name.startswith(("hvd_topk", "topkef", "powersgd")), name
+    if arm.reporter is not None:
+        assert any(isinstance(v, (int, float)) for v in arm.reporter.stats().values()), name
     # torch's hook's state
     assert (arm.powersgd_state is not None) == name.startswith(("ddp powersgd", "ddp fp16 powersgd"))
 
