@@ -24,8 +24,8 @@ RUNS = [(door, communication) for door in ("opt", "stock") for communication in 
 def test_global_selection_sends_an_embedding_table_alone_and_resumes_exactly(results, np, communication):
     """``selection='global'`` over an embedding table and two linear layers: every rank measures the
     table's gradient row-sparse at the first step, so it keeps its own k beside the pooled layers (two
-    transports a step, where the pool alone would let the table and the layers share one k), in both
-    doors alike, bit for bit; the split survives a checkpoint, and a run resumed halfway ends where the
+    transports a step, where the pool alone would let the table and the layers share one k, fused into
+    one exchange per phase), in both doors alike, bit for bit; the split survives a checkpoint, and a run resumed halfway ends where the
     straight run ends."""
     ranks = results(JOBS[np])
     k_table, k_pool = k_for(1024 * 16, 0.05), k_for(16 * 64 + 64 * 16, 0.05)
@@ -40,6 +40,9 @@ def test_global_selection_sends_an_embedding_table_alone_and_resumes_exactly(res
             assert torch.equal(resumed[name], value), (door, name)
             assert torch.equal(straight["stock"]["params"][name], value), (door, name)
         assert run["stats"]["sparse_tensors"] == 2, run["stats"]
+        # the table and the pool travel in one fused exchange per phase, through either door
+        phases = {k: v for k, v in run["stats"].items() if k.startswith("collectives_")}
+        assert phases and set(phases.values()) == {1}, (door, phases)
         if door == "stock":
             # Where ranks share cores (3 ranks on 2 cores here), TopKEF's bucket leaves in the step's last
             # compress, from the second step on (and from the second after a resume: in a first step the

@@ -42,6 +42,7 @@ class GlobalSelection:
     def __init__(self, transports, ratio):
         self.transports, self.ratio = transports, ratio
         self.token = None                     # the first decompressed (reduced token, key) of the step
+        self.planned = None                   # group -> numel the fused transport's buckets were planned for
         ps = transports.process_set
         self.bucket = GlobalBucket(lambda shares: agree(shares, f"{transports.tag}.row_sparse", process_set=ps))
 
@@ -87,12 +88,23 @@ class GlobalSelection:
         step's first ``receive``, after ``self.token`` is set."""
         stats = self.transports.stats
         transport = self.transports.own[self.transports.communication]
+        self._plan(groups)
         started = []
         with stats.selecting():
             for group, flat in groups:
                 acc_sq, finite = sq_norm_finite(flat)
                 started.append((flat, acc_sq, transport.start(group, flat, k_for(flat.numel(), self.ratio), finite)))
         return lambda: [self._finish(*each) for each in started]
+
+    def _plan(self, groups):
+        """The groups (the pooled tensors, each row-sparse one) travel in the fused transport's buckets,
+        as the optimizer's do: one exchange per phase for the step, not one per group (an embedding
+        model's step ran two of each). Planned when the groups change (the first step, after a reset),
+        the same on every rank: the groups and their order are agreed (``GlobalBucket.start``)."""
+        numels = {group: flat.numel() for group, flat in groups}
+        if numels != self.planned:
+            self.transports.fused.plan(list(numels), numels, self.transports.settings.bucket_cap_mb)
+            self.planned = numels
 
     def _finish(self, flat, acc_sq, started):
         self.transports.stats.add_sent(started.nbytes, started.sent_sq, acc_sq)
@@ -101,8 +113,9 @@ class GlobalSelection:
 
     def forget(self):
         """An abandoned step or an elastic reset: its kept accumulators go (their residuals were never
-        committed), and the row-sparse tensors are measured anew."""
+        committed), and the row-sparse tensors are measured anew (the transports drop their buckets)."""
         self.bucket.forget()
+        self.planned = None
 
     def state_dict(self):
         """The row-sparse keys this rank's checkpoint keeps (None: not measured yet)."""
