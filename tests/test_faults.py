@@ -59,7 +59,10 @@ def read_killed_job(results, killed):
     return run.ended - killed_at, gone - killed_at, failed.value
 
 
-KILLED = [(backend, mode) for mode in ("hvd_topk", "topkef") for backend in ("gloo", "mpi")]
+# Each front door under one launcher and each launcher with one front door: the launcher, not the door,
+# ends the survivors (docs/faults.md), and all four pairs ended within 0.5-1.3 s when each ran. The
+# other two pairs run across hosts (tests/test_multihost.py).
+KILLED = [("gloo", "hvd_topk"), ("mpi", "topkef")]
 
 
 @pytest.mark.slow

@@ -191,14 +191,15 @@ def outside_set_refused(form, communication):
                timeout=150, fails=True, alone=True if form == "class" else OUTSIDE_SET)
 
 
-# in the full suite only, as the job above (each waits out the shutdown grace, 3 s in the suite; the
-# class form's is a launch of its own)
+# in the full suite only, as the job above (each waits out the shutdown grace, 3 s in the suite, and
+# the next job needs a launch of its own). One job per way the wrong reduction is met: the class form
+# (which cannot be given the set), and an instance whose transport's collective is first waited for
+# a step later (artopk). The token's check is the same code for instances made with names or without
+# (hvd_topk/step/op_token.py); split_reduce through an instance also ran here until 2026-11-30.
 @pytest.mark.slow
-@pytest.mark.parametrize("refused", [outside_set_refused("positional", "split_reduce"),
-                                     outside_set_refused("class", "split_reduce"),
-                                     outside_set_refused("positional", "artopk"),
-                                     outside_set_refused("named", "split_reduce")],
-                         ids=["positional-split_reduce", "class-split_reduce", "positional-artopk", "named-split_reduce"])
+@pytest.mark.parametrize("refused", [outside_set_refused("class", "split_reduce"),
+                                     outside_set_refused("positional", "artopk")],
+                         ids=["class-split_reduce", "positional-artopk"])
 def test_topkef_not_given_the_optimizers_process_set_fails_every_rank(results, refused):
     """The optimizer reduces within {0, 1} of 3 ranks; TopKEF is not given that set (the class form
     cannot be), so its collectives span rank 2, which never joins them. Ranks 0 and 1 raise at the
