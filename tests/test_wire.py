@@ -39,11 +39,12 @@ def test_topkef_sends_at_most_one_twentieth_of_dense_on_the_wire(results):
 @pytest.mark.multirank
 @needs_netns
 def test_digits_demo_accuracy_and_bytes():
-    """The demo as scripts/demo.sh runs it (python -m bench demo: 20 epochs each of dense Horovod and
-    TopKEF 0.01, each job in a private namespace), read from its table: TopKEF within 2 points of dense,
-    far fewer bytes, and the same parameters on every rank in both runs."""
-    proc = subprocess.run([sys.executable, "-m", "bench", "demo", "--timeout", "600"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=1500)
+    """The demo's command as scripts/demo.sh runs it (python -m bench demo: dense Horovod, then TopKEF
+    0.01, each job in a private namespace), at 10 epochs instead of its 20 (a third less of the suite;
+    2026-11-30: dense 0.9861, TopKEF 0.9833, 35.6x fewer bytes), read from its table: TopKEF within 2
+    points of dense, far fewer bytes, and the same parameters on every rank in both runs."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "demo", "--epochs", "10", "--timeout", "600"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = r"^\| {} +\| +([\d.]+) \| +([\d,]+) \| +[\d.]+x \| +[\d.]+ \| +(\w+) \|$"
     found = {name: re.search(row.format(re.escape(name)), proc.stdout, re.M)
