@@ -134,11 +134,12 @@ def load_ranks(out):
 # hierarchical and killed-rank tests. (("topkef", "gloo") ran here too until 2026-11-30: 52 s.)
 @pytest.mark.parametrize("mode,backend", [("hvd_topk", "mpi")])
 def test_trains_across_hosts_with_per_host_checkpoints(hosts, tmp_path, record_property, backend, mode):
-    """4 ranks on 2 hosts, hvd_topk.DistributedOptimizer or TopKEF in stock hvd.DistributedOptimizer.
-    A job trains 16 steps and, after step 7, every rank writes its checkpoint into its host's own
-    directory (as on node-local disks): identical parameters on every rank, Horovod numbers the ranks
-    by host (local_rank within it, cross_rank across hosts), each rank's residuals in its own file.
-    A second job resumes from each host's files and ends bit-identical to the first."""
+    """4 ranks on 2 hosts, hvd_topk.DistributedOptimizer (the worker and the checks also take TopKEF in
+    stock hvd.DistributedOptimizer, ``mode="topkef"``). A job trains 16 steps and, after step 7, every
+    rank writes its checkpoint into its host's own directory (as on node-local disks): identical
+    parameters on every rank, Horovod numbers the ranks by host (local_rank within it, cross_rank
+    across hosts), each rank's residuals in its own file. A second job resumes from each host's files
+    and ends bit-identical to the first."""
     common = ["--mode", mode, "--steps", 16, "--ratio", 0.05, "--lr", 0.01]
     # Bit-exact needs the same summation order in both jobs. With more than 2 ranks that order depends
     # on where a value sits in the buffer being reduced (a ring starts each chunk at another rank), and

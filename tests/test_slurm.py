@@ -4,8 +4,9 @@ A private single-node Slurm cluster (Debian's slurm-wlm + munge, installed by
 scripts/install_slurm.sh) runs for this module: its own slurm.conf, ports, state directories and munge
 key under a temporary directory; slurmctld, slurmd and munged are started here and stopped at the end.
 Jobs go through slurm/train_cpu.sbatch exactly as a user submits them (srun --mpi=pmix, Horovod over
-MPI). The Docker image cannot be built here (no Docker engine): its Dockerfile is linted (hadolint,
-shellcheck) and parsed for consistency with scripts/install.sh.
+MPI; the requeued one with HVD_TOPK_LAUNCHER=mpirun). The Docker image cannot be built here (no Docker
+engine): its Dockerfile is linted (hadolint, shellcheck) and parsed for consistency with
+scripts/install.sh.
 """
 import csv
 import importlib.util

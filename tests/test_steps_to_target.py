@@ -14,7 +14,8 @@ import pytest
 from testbed.pytest_jobs import job
 
 TARGET, BY_STEP = 0.75, 60
-JOBS = {door: job(4, "steps_to_target.py", "--door", door, "--steps", 70, timeout=400) for door in ("optimizer", "stock")}
+JOBS = {door: job(4, "steps_to_target.py", "--door", door, "--steps", 70, timeout=400)
+        for door in ("optimizer", "stock")}
 
 
 def steps_to(curve, target, hold=2):
