@@ -25,8 +25,8 @@ def test_global_selection_sends_an_embedding_table_alone_and_resumes_exactly(res
     """``selection='global'`` over an embedding table and two linear layers: every rank measures the
     table's gradient row-sparse at the first step, so it keeps its own k beside the pooled layers (two
     transports a step, where the pool alone would let the table and the layers share one k, fused into
-    one exchange per phase), in both doors alike, bit for bit; the split survives a checkpoint, and a run resumed halfway ends where the
-    straight run ends."""
+    one exchange per phase), in both doors alike, bit for bit; the split survives a checkpoint, and a run
+    resumed halfway ends where the straight run ends."""
     ranks = results(JOBS[np])
     k_table, k_pool = k_for(1024 * 16, 0.05), k_for(16 * 64 + 64 * 16, 0.05)
     halfway = 4 if np == 2 else 2                # the jobs' --steps // 2
