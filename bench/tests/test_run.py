@@ -173,32 +173,21 @@ def test_compressed_digits_within_one_point_of_dense(tmp_path):
 
 
 @pytest.mark.slow
-def test_compressed_adam_within_one_point_of_dense(tmp_path):
-    """Adam lr 0.001: the recipe docs/optimizer.md gives Adam-type optimizers (top-k 0.01 of each rank's
-    Adam update, allgather, no local momentum) within one point of dense Adam's mean accuracy. Measured:
-    dense 0.9814, the recipe 0.9768; Adam on top-k gradients (``hvd_topk artopk``) 0.9127 in the same
-    run, 6.9 points short, so the bound tells the two apart. (At 16 a rank, 880 steps, the gradients too
-    end within a point, 0.9805 against 0.9889 on seed 0, at twice this test's cost: a study, not this
-    test.)"""
-    dense, recipe = digits_accuracy_against_dense(
-        tmp_path, "hvd_topk[communication=allgather,compress=update,local_momentum=false]",
-        "--optimizer", "adam", "--lr", "0.001")
-    assert dense > 0.95 and recipe >= dense - 0.01, (dense, recipe)
-
-
-@pytest.mark.slow
-def test_lm_update_without_local_momentum_within_one_percent_of_dense(tmp_path):
-    """The LM at 2 blocks for 100 steps (its cosine schedule ends there): top-k 0.01 of each rank's AdamW
-    update, allgather, no local momentum: its final test loss within 1% of dense AdamW's. Measured
-    2026-11-30 in one run of the four arms: dense 2.270, the recipe 2.276 (+0.2%); the weaker configs
-    fail the bound: local momentum on 2.383 (+5.0%), split_reduce 2.308 (+1.7%). (At 200 steps, 2026-11-29:
-    dense 2.153, the recipe 2.129, at twice this test's cost; at 400 steps 2% held the recipe, +0.3%, and
-    kept both out.)"""
-    s = bench_run(tmp_path, "--task", "lm-small", "--steps", "100", "--turn", "20", "--eval-every", "100", "--arms",
+def test_lm_update_without_local_momentum_within_one_and_a_half_percent_of_dense(tmp_path):
+    """The LM at 2 blocks for 50 steps (its cosine schedule ends there): top-k 0.01 of each rank's AdamW
+    update, allgather, no local momentum: its final test loss within 1.5% of dense AdamW's. Measured
+    2026-11-30 in one run of the four arms (seed 0, mpirun): dense 2.453, the recipe 2.472 (+0.8%); the
+    weaker configs fail the bound: local momentum on 2.653 (+8.2%), split_reduce 2.535 (+3.4%). (At 100
+    steps, the test until that day at twice this cost: dense 2.270, the recipe +0.2%, local momentum
+    +5.0%, split_reduce +1.7% against a 1% bound; at 200 and 400 steps the recipe held too.) The one
+    accuracy test of the recipe docs/optimizer.md gives Adam-type optimizers: its run on the digits CNN
+    with Adam (0.46 pt under dense, 54 s of the suite) left the suite on 2026-11-30; that figure stays in
+    docs/studies/2026-11-accuracy-2-ranks.md."""
+    s = bench_run(tmp_path, "--task", "lm-small", "--steps", "50", "--turn", "20", "--eval-every", "50", "--arms",
                   "horovod dense,hvd_topk[communication=allgather,compress=update,local_momentum=false]",
                   *ACCURACY_LAUNCHER, timeout=2400)
     base, ours = (a["final_loss"] for a in s["arms"].values())
-    assert base < 2.35 and ours <= 1.01 * base, (base, ours)
+    assert base < 2.55 and ours <= 1.015 * base, (base, ours)
 
 
 @pytest.mark.slow
