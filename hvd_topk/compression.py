@@ -41,7 +41,7 @@ from horovod.torch import mpi_ops
 
 from .arguments import STOCK_COMMUNICATIONS, check_hierarchical, check_stock_selection
 from .settings import TopKSettings
-from .step.compressor_door import ClassOrInstance, CompressorDoor
+from .step.compressor_door import ClassOrInstance, CompressorDoor, keys_and_residuals, load_keys_and_residuals
 from .step.compressor_global import GlobalSelection
 from .step.compressor_transports import CompressorTransports, load_transports_state, sends_token, transports_state
 from .core.sparsify import k_for, sq_norm_finite
@@ -173,14 +173,12 @@ class TopKEF(CompressorDoor):
     def state_dict(self):
         """This rank's residuals, step counters and pending index sets (waits for in-flight ones)."""
         return {"ratio": self.settings.ratio, "communication": self.settings.communication,
-                "selection": self.selection, "signatures": list(getattr(self.keys, "signatures", [])),
-                "residuals": self.memory.state_dict(), **transports_state(self.transports),
+                "selection": self.selection, **keys_and_residuals(self), **transports_state(self.transports),
                 "row_sparse": self.pool and self.pool.state_dict()}     # None: layer-wise, or not measured
 
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on this rank."""
-        self.keys.restore(state["signatures"])
-        self.memory.load_state_dict(state["residuals"])
+        load_keys_and_residuals(self, state)
         load_transports_state(self.transports, state)
         if self.pool is not None:          # an older checkpoint has no row_sparse: measured at the next step
             self.pool.load_state_dict(state.get("row_sparse"))

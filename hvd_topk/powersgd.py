@@ -11,6 +11,11 @@ a check that every rank keyed the gradient alike), as ``TopKEF``'s split_reduce 
 2. Horovod compresses every gradient of a step before it decompresses any, so at the first
    ``decompress`` every rank has started the same keys: the token tells whether Horovod averaged, and
    the transport runs both phases for every key in sorted order (no order of the ranks can hang it).
+   Where ranks share cores, from the second step on, the step's last ``compress`` already runs the
+   P and Q sums, asleep between polls, for up to ``DRAIN_S``: Horovod's ``synchronize()`` spins until
+   every rank's tokens are in, and spinning ranks take the CPU that ranks still in their backward pass
+   need; asleep, they give it back, and the tokens find every rank ready. (P Q^T itself needs Horovod's
+   op: it stays for the first ``decompress``, as does whatever is left where a rank is late.)
 3. ``decompress`` returns P Q^T (the mean, or the sum where Horovod sums); this rank's residual becomes
    M - P Q^T, committed at the step's end if every rank was finite.
 
@@ -20,13 +25,15 @@ the NaN rule, the shutdown on a mismatch, the class form): ``hvd_topk.step.compr
 """
 import copy
 import itertools
+import time
 from typing import Hashable, NamedTuple, Optional
 
 from horovod.torch import mpi_ops
 
 from .arguments import check_hierarchical
 from .settings import PowerSGDSettings
-from .step.compressor_door import ClassOrInstance, CompressorDoor
+from .step.compressor_door import ClassOrInstance, CompressorDoor, keys_and_residuals, load_keys_and_residuals
+from .step.compressor_global import DRAIN_S
 from .step.op_token import OpToken
 from .step.stats import StepStats
 from .core.lowrank import compressed_rank
@@ -51,11 +58,10 @@ class _Ctx(NamedTuple):
 class PowerSGD(CompressorDoor):
     """PowerSGD (Vogels et al., NeurIPS'19; torch's ``powerSGD_hook``) for stock ``hvd.DistributedOptimizer``.
 
-    Per gradient and rank: ``acc = grad + residual``; its matrix view M leaves as P and Q of rank
-    ``rank`` (one power iteration, warm-started from the last step's Q); every rank receives P Q^T and
-    keeps ``residual = M - P Q^T``. ``hvd_topk.DistributedOptimizer(compression=...)`` accepts it too,
-    reading only ``comp.settings`` (a ``hvd_topk.PowerSGDSettings``; the class's are the defaults).
-    Making one runs no collective: Horovod's first ``compress`` builds the transport.
+    Per gradient and rank: ``acc = grad + residual``; its matrix view M leaves as P and Q of rank ``rank`` (one
+    power iteration, warm-started from the last step's Q); every rank receives P Q^T and keeps ``residual = M -
+    P Q^T``. ``hvd_topk.DistributedOptimizer(compression=...)`` accepts it too, reading only ``comp.settings``
+    (a ``hvd_topk.PowerSGDSettings``; the class's are the defaults). Making one runs no collective.
 
     Args:
         rank: the rank r of each tensor's approximation, >= 1 (torch's ``matrix_approximation_rank``).
@@ -97,8 +103,7 @@ class PowerSGD(CompressorDoor):
 
     @property
     def transport(self):
-        """The low-rank transport (flat or through the hosts), built at first use: ``'hierarchical'``
-        finds the hosts' process sets then, a collective."""
+        """The low-rank transport, built at first use (``'hierarchical'`` finds the hosts' sets: a collective)."""
         if self._transport is None:
             stack = build_transports(self.settings, tag=self.tag, key_index=self.keys.key_index,
                                      process_set=self.process_set, mismatch_hint=self.hint)
@@ -126,14 +131,18 @@ class PowerSGD(CompressorDoor):
                                  lowrank=(started.values, acc.numel()))
         return token, _Ctx(dense=False, key=key, shape=tuple(tensor.shape), started=started)
 
+    def _after_compress(self):          # the step's last gradient, where ranks share cores: module docstring, 2
+        if self._transport is not None and self._last_compress_may_drain():
+            self.step_stats.syncing()
+            self._transport.drain(time.monotonic() + DRAIN_S)
+
     def _failed_payload(self, tensor):
         compressed = compressed_rank(tuple(tensor.shape), self.settings.rank, self.settings.min_compression_rate)
         return super()._failed_payload(tensor) if compressed else tensor
 
     def _receive(self, reduced, ctx):
         self.step_stats.syncing()
-        # raises, on every rank, before any value is used; then the step's phases run (first receive)
-        # with Horovod's op, so the mean is P Q^T itself, as the optimizer's transport makes it
+        # raises on every rank before any value is used; with Horovod's op the mean is P Q^T, as in the optimizer
         self.transport.average = self.token.average(reduced, ctx.key)
         outcome = ctx.started.finish()
         return outcome.aggregate, outcome.residual
@@ -148,22 +157,19 @@ class PowerSGD(CompressorDoor):
 
     @ClassOrInstance
     def stats(self):
-        """Figures of the last step this PowerSGD decompressed (``hvd_topk.step.stats``: bytes, the share
-        of its tensors' elements P and Q carry, where the time went), its residual norm and rank."""
+        """The last step's figures (``hvd_topk.step.stats``: bytes, P and Q's share, time), residual norm, rank."""
         return dict(self.step_stats.last(), residual_norm=self.memory.norm(), rank=self.settings.rank)
 
     def state_dict(self):
         """This rank's residuals and the warm-start Q's (identical on every rank)."""
-        return {"rank": self.settings.rank, "signatures": list(getattr(self.keys, "signatures", [])),
-                "residuals": self.memory.state_dict(),
-                "q": copy.deepcopy(self._restored) if self._transport is None else self._transport.state_dict()}
+        q = copy.deepcopy(self._restored) if self._transport is None else self._transport.state_dict()
+        return {"rank": self.settings.rank, **keys_and_residuals(self), "q": q}
 
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on this rank: the steps after are the saved job's, bit for bit."""
         if state["rank"] != self.settings.rank:
             raise ValueError(f"rank must be the saved state's {state['rank']} to load it, got {self.settings.rank}")
-        self.keys.restore(state["signatures"])
-        self.memory.load_state_dict(state["residuals"])
+        load_keys_and_residuals(self, state)
         if self._transport is None:
             self._restored = copy.deepcopy(state["q"])
         elif state["q"] is not None:

@@ -10,6 +10,7 @@ emulated hosts of 2 ranks (4 ranks, their host and cross process sets), as the f
 size 1): the pure functions and the argument checks.
 """
 import math
+import time
 import zlib
 
 import pytest
@@ -393,3 +394,34 @@ def test_float16_accumulators_get_float16_sums(hvd):
     out = lowrank.start("w", acc, None, True).finish()
     assert out.aggregate.dtype == torch.float16 and out.residual.dtype == torch.float16
     torch.testing.assert_close(out.aggregate + out.residual, acc, rtol=0, atol=2e-3)
+
+
+def test_drain_runs_the_sums_early_with_the_same_outcomes(hvd):
+    """``drain`` (the stock door's last compress where ranks share cores) runs phases a-b before the
+    first finish; the outcomes are those of a step without it, bit for bit, also for a key started
+    after the drain began, a dense key and a finish in another order. (The 3-rank PowerSGD jobs in
+    tests/test_powersgd.py drain on a machine whose ranks share cores, as CI's 2 cores do.)"""
+    gen = torch.Generator().manual_seed(5)
+    accs = {key: torch.randn(n, generator=gen) for key, n in (("a", 240), ("b", 96), ("c", 7))}
+    shapes = {"a": (20, 12), "b": (12, 8)}
+
+    def step(lowrank, drain_after):
+        started = {}
+        for key in ("a", "b", "c"):
+            started[key] = lowrank.start(key, accs[key].clone(), None, True)
+            if key == drain_after:
+                lowrank.drain(time.monotonic() + 5.0)
+                assert lowrank.running is not None and lowrank.running.done
+        return {key: started[key].finish() for key in ("c", "b", "a")}
+
+    plain = LowRank(Collectives("lowrank.plain"), True, rank=2, shapes=shapes, name="lowrank.plain")
+    drained = LowRank(Collectives("lowrank.drained"), True, rank=2, shapes=shapes, name="lowrank.drained")
+    for drain_after in ("c", "b"):                  # all keys in; then "c" started after the drain
+        want, got = step(plain, None), step(drained, drain_after)
+        for key in accs:
+            assert (want[key].residual is None) == (got[key].residual is None) == (key == "c"), key
+            assert torch.equal(got[key].aggregate, want[key].aggregate), key
+            if key != "c":
+                assert torch.equal(got[key].residual, want[key].residual), key
+        assert drained.running is None and not drained.inflight and not drained.outcomes
+    assert all(torch.equal(drained.q[key], plain.q[key]) for key in plain.q)

@@ -32,9 +32,10 @@ from .op_token import OpToken
 from ..core.memory import ResidualMemory, StepCommits
 from ..core.sparsify import sq_norm_finite
 from ..core.validate import check_number
+from ..transports.collectives import ranks_share_cores
 
 __all__ = ["ClassOrInstance", "CompressorDoor", "FailedCompress", "PendingStep", "SHUTDOWN_GRACE_S",
-           "ends_job_on_mismatch", "report_mismatch"]
+           "ends_job_on_mismatch", "report_mismatch", "keys_and_residuals", "load_keys_and_residuals"]
 
 REPORT_GRACE_S = 2.0          # time the ranks that failed the same check get to write it before one exits
 
@@ -237,6 +238,23 @@ class CompressorDoor(Compressor):
     def _after_compress(self):
         """After each ``compress`` (TopKEF: the step's last one shares AR-Topk's index sets)."""
 
+    def _last_compress_may_drain(self):
+        """Whether this ``compress`` was the step's last (from the second step on) and the ranks share
+        cores: then the step's collectives may run now, asleep between polls (TopKEF's global selection,
+        PowerSGD), rather than after Horovod's spinning ``synchronize()``."""
+        return self._step.failure is None and self.keys.step_complete() and ranks_share_cores()
+
     def _end_step(self):
         """The step's last gradient was decompressed: its residuals are committed if it was finite."""
         self._step.end()
+
+
+def keys_and_residuals(door):
+    """What every door's ``state_dict`` holds: its key signatures (keys by position) and this rank's residuals."""
+    return {"signatures": list(getattr(door.keys, "signatures", [])), "residuals": door.memory.state_dict()}
+
+
+def load_keys_and_residuals(door, state):
+    """Restore ``keys_and_residuals``' part of ``state`` into ``door``: its next compress starts a step."""
+    door.keys.restore(state["signatures"])
+    door.memory.load_state_dict(state["residuals"])

@@ -6,7 +6,8 @@
 - The finite flag: one element that rides with a rank's values and tells every rank, from the sum,
   whether some rank's accumulator was non-finite.
 - ``agree``: numbers every rank holds bit for bit, for decisions that must be identical everywhere.
-- ``wait``: Horovod's ``synchronize`` without its busy wait.
+- ``wait``: Horovod's ``synchronize`` without its busy wait; ``Waits``: a generator of collectives run
+  to its end, at once or polled until a deadline.
 - ``reduce_scatter_async`` / ``reduce_scatter_wait``: a sum's reduce-scatter as an alltoall and adds.
 """
 import os
@@ -17,7 +18,7 @@ import torch
 from horovod.torch import mpi_ops
 
 __all__ = ["Collectives", "Reduction", "finite_flag", "flag_raised", "agree", "wait", "nap", "ranks_share_cores",
-           "reduce_scatter_async", "Scatter", "reduce_scatter_wait", "add_rows"]
+           "Waits", "reduce_scatter_async", "Scatter", "reduce_scatter_wait", "reduce_scatter_sum", "add_rows"]
 
 # wait()'s sleeps between polls: an eighth of the time waited so far, from 20 us to at most 1 ms, so that
 # a short wait ends soon after its collective and a long one wakes 1,000 times a second. Not at most
@@ -42,6 +43,42 @@ def wait(handle):
     while not _SPIN and not mpi_ops.poll(handle):
         nap(start)
     return mpi_ops.synchronize(handle)
+
+
+class Waits:
+    """Runs ``steps``, a generator of collectives: each ``yield handle`` of a Horovod asynchronous
+    collective gets back that collective's output (``synchronize``'s); what the generator returns is
+    ``result`` once ``done``.
+
+    ``finish()`` waits for each collective in turn (``wait``). ``advance(until)`` starts what it can and
+    polls, asleep between polls, until the generator is done or ``time.monotonic()`` reaches ``until``;
+    it never blocks on a collective, so a caller may run it where some rank could be late (a stock
+    door's last ``compress``), leaving the rest to ``finish()``."""
+
+    def __init__(self, steps):
+        self.steps, self.handle, self.done, self.result = steps, None, False, None
+        self._send(None)                  # runs to the first collective it waits for
+
+    def _send(self, output):
+        try:
+            self.handle = self.steps.send(output)
+        except StopIteration as end:
+            self.handle, self.done, self.result = None, True, end.value
+
+    def advance(self, until):
+        start = time.monotonic()
+        while not self.done:
+            if mpi_ops.poll(self.handle):
+                self._send(mpi_ops.synchronize(self.handle))
+            elif time.monotonic() >= until:
+                return
+            else:
+                nap(start)
+
+    def finish(self):
+        while not self.done:
+            self._send(wait(self.handle))
+        return self.result
 
 
 def ranks_share_cores():
@@ -84,7 +121,12 @@ def reduce_scatter_async(flat, name, process_set):
 
 def reduce_scatter_wait(started):
     """This rank's shard of the sum ``reduce_scatter_async`` started (``add_rows`` of the ranks' pieces)."""
-    received, _ = wait(started.handle)
+    return reduce_scatter_sum(started, wait(started.handle))
+
+
+def reduce_scatter_sum(started, output):
+    """``reduce_scatter_wait`` from the alltoall's ``output`` (``synchronize``'s), already waited for."""
+    received, _ = output
     return add_rows(received.view(started.ranks, -1))
 
 

@@ -8,7 +8,8 @@ moves the matrices:
 1. ``start``: M Q with this rank's M = acc. A tensor that does not shrink at least twofold (or has one
    dimension, or is sent whole: k = numel) goes dense: its accumulator takes P's place.
 2. The first ``finish`` of the step runs the rest for every key started, in sorted key order, so ranks
-   that started them in different orders still add the same collectives in the same order:
+   that started them in different orders still add the same collectives in the same order (``drain``
+   may have run a and b already: the stock door's last ``compress`` where ranks share cores):
    a. one allreduce (per dtype) of all the P's and dense tensors, laid end to end with one finite flag
       per key; any rank's raised flag, or a non-finite sum, gives that key None on every rank;
    b. P orthogonalized, Q_i = M_i^T P, one allreduce (per dtype) of all the Q's;
@@ -40,7 +41,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .base import Outcome, Started
-from .collectives import finite_flag, flag_raised
+from .collectives import Waits, finite_flag, flag_raised
 from .lowrank_wire import VALUES, largest, scale_for, sum_phase
 from ..core.lowrank import (compressed_rank, decompress, finish_power_iteration, matrix_shape, next_warm_start,
                             start_power_iteration, warm_start, MIN_COMPRESSION_RATE)
@@ -102,7 +103,7 @@ class _KeptState:
     def forget(self):
         """Drop what the old set of ranks shared: work in flight, outcomes and the warm-start Q's (a
         joining rank has none; every rank starts again from the seeded Q)."""
-        self.inflight, self.outcomes, self.q, self.last_largest = {}, {}, {}, {}
+        self.inflight, self.outcomes, self.q, self.last_largest, self.running = {}, {}, {}, {}, None
 
     def state_dict(self):
         """The warm-start Q's and the last sums' largest values (identical on every rank), and the rank
@@ -115,10 +116,72 @@ class _KeptState:
         if state["rank"] != self.rank:
             raise ValueError(f"rank must be the saved state's {state['rank']} to load it, got {self.rank}")
         self.inflight, self.outcomes, self.q = {}, {}, {key: q.clone() for key, q in state["q"].items()}
+        self.running = None
         self.last_largest = dict(state.get("largest", {}))        # older states: the first step in float32
 
 
-class LowRank(_KeptState):
+class _StepPhases(_KeptState):
+    """``LowRank``'s phases (module docstring, step 2): a and b as a generator of collectives
+    (``collectives.Waits``), so that ``drain`` can run them before the first ``finish`` without blocking
+    on a late rank; c, which needs ``average``, at the first ``finish``."""
+
+    def drain(self, until):
+        """Run phases a and b of the keys started so far (all of the step's: the caller's last key is
+        in), asleep between polls, until they are done or ``time.monotonic()`` reaches ``until``; never
+        blocks on a collective. Phase c, which needs ``average`` (the stock door reads it from Horovod's
+        token at the first ``decompress``), and whatever is left stay for the first ``finish``."""
+        if self.inflight and self.running is None:
+            self.running = Waits(self._phases())
+        if self.running is not None:
+            self.running.advance(until)
+
+    def _run_step(self):
+        """Phases a-c for every key in flight, in key order (module docstring); a-b from ``drain`` if it
+        started them, and then those of any key started after it began (each rank alike, or the key
+        check fails)."""
+        running, self.running = self.running or Waits(self._phases()), None
+        self._last_phase(*running.finish())
+        if self.inflight:
+            self._last_phase(*Waits(self._phases()).finish())
+
+    def _last_phase(self, work, sums, second, q_sums):
+        """Phase c: each key's outcome from its sums (``_phases``)."""
+        size = self.collectives.process_set.size()
+        for key, (total, flag) in sums.items():
+            if flag_raised(flag.reshape(())) or not _all_finite(total):       # identical on every rank
+                self.outcomes[key] = Outcome(None, None)
+            elif work[key].matrix is None:      # dense: all was sent, the caller flushes the residual
+                total = total * (1.0 / size) if self.average else total
+                self.outcomes[key] = Outcome(total.reshape(-1).to(work[key].acc.dtype), None)
+        for key, q_sum in q_sums.items():
+            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum, sums[key][0])
+
+    def _phases(self):
+        """Phases a and b (module docstring), a generator of collectives (``Waits``): returns the step's
+        work, the P sums, (P orthogonalized, this rank's Q_i) and the Q sums of the compressed keys."""
+        self.collectives.start_pending()
+        keys = sorted(self.inflight)
+        work, self.inflight, self.launches = self.inflight, {}, []
+        p_sums = yield from self._sum_phase("P", [(work[key].payload, work[key].flag, work[key].p_scale)
+                                                  for key in keys])
+        sums, second = dict(zip(keys, p_sums)), {}
+        for key, (total, flag) in sums.items():
+            if work[key].matrix is not None and not flag_raised(flag.reshape(())) and _all_finite(total):
+                second[key] = finish_power_iteration(work[key].matrix, total, self.epsilon)
+        compressed = sorted(second)
+        q_sums = yield from self._sum_phase("Q", [(second[key][1], None, work[key].q_scale) for key in compressed])
+        return work, sums, second, {key: q_sum for key, (q_sum, _) in zip(compressed, q_sums)}
+
+    def _sum_phase(self, phase, entries):
+        """``lowrank_wire.sum_phase`` of one phase over this transport's ranks (or hosts), its launches kept
+        (a generator of collectives)."""
+        sums, launches = yield from sum_phase(entries, f"{self.name}.{phase}", self.collectives.process_set,
+                                              self.hosts)
+        self.launches += launches
+        return sums
+
+
+class LowRank(_StepPhases):
     """PowerSGD of each key's accumulator (module docstring).
 
     Args:
@@ -158,6 +221,7 @@ class LowRank(_KeptState):
         self.inflight = {}              # key -> this step's started work, until the first finish
         self.outcomes = {}              # key -> Outcome, finished but not yet handed out
         self.launches = []              # (name, numel) of the allreduces of the last step, in order
+        self.running = None             # phases a-b of the step, started by ``drain`` (``Waits``)
 
     def _matrix(self, key, acc, grad, k):
         """(M as n x m, r) for a compressed key, or (None, 0) for a dense one."""
@@ -200,33 +264,6 @@ class LowRank(_KeptState):
             return self.outcomes.pop(key)
         values = r * sum(matrix.shape) if r else acc.numel()      # P and, at finish, Q; or everything
         return Started(_wire_bytes(matrix, r, acc, p_scale, q_scale), sent_sq, finish, values)
-
-    def _run_step(self):
-        """Phases a-c for every key in flight, in key order (module docstring)."""
-        self.collectives.start_pending()
-        keys = sorted(self.inflight)
-        work, self.inflight, self.launches = self.inflight, {}, []
-        sums = dict(zip(keys, self._sum_phase("P", [(work[key].payload, work[key].flag, work[key].p_scale)
-                                                    for key in keys])))
-        second = {}                     # key -> P orthogonalized, this rank's Q_i
-        for key, (total, flag) in sums.items():
-            if flag_raised(flag.reshape(())) or not _all_finite(total):       # identical on every rank
-                self.outcomes[key] = Outcome(None, None)
-            elif work[key].matrix is None:      # dense: all was sent, the caller flushes the residual
-                total = total * (1.0 / self.collectives.process_set.size()) if self.average else total
-                self.outcomes[key] = Outcome(total.reshape(-1).to(work[key].acc.dtype), None)
-            else:
-                second[key] = finish_power_iteration(work[key].matrix, total, self.epsilon)
-        compressed = sorted(second)
-        q_sums = self._sum_phase("Q", [(second[key][1], None, work[key].q_scale) for key in compressed])
-        for key, (q_sum, _) in zip(compressed, q_sums):
-            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum, sums[key][0])
-
-    def _sum_phase(self, phase, entries):
-        """``lowrank_wire.sum_phase`` of one phase over this transport's ranks (or hosts), its launches kept."""
-        sums, launches = sum_phase(entries, f"{self.name}.{phase}", self.collectives.process_set, self.hosts)
-        self.launches += launches
-        return sums
 
     def _lowrank(self, key, work, p, q_sum, p_sum):
         """A compressed key's outcome: the aggregate and this rank's residual; Q kept if all finite, and

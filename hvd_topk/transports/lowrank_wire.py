@@ -16,6 +16,9 @@ alike while the finite flags are clear; the transport then sums that tensor agai
 
 ``sum_phase`` sums one phase (``sum_end_to_end``: one in-place allreduce per wire dtype, the tensors
 laid end to end; ``sum_across_hosts``: the same through a job's hosts, ``communication='hierarchical'``).
+Each is a generator of collectives (``collectives.Waits``): it yields each handle it must wait for and
+gets back that collective's output, so its caller decides how to wait: to the end at once, or polling
+with a deadline (the stock door's last ``compress``, ``hvd_topk.powersgd``).
 
 float16 is summed by exchange, not by Horovod's sum: Horovod adds float16 one element at a time in
 software (Gloo's and its own MPI reduction), so on 2 ranks of a 2-core CPU machine a float16 allreduce
@@ -34,7 +37,7 @@ from typing import Optional
 import torch
 from horovod.torch import mpi_ops
 
-from .collectives import add_rows, flag_raised, reduce_scatter_async, reduce_scatter_wait, wait
+from .collectives import add_rows, flag_raised, reduce_scatter_async, reduce_scatter_sum
 from ..core.wire import LOWRANK_VALUE_BYTES
 
 __all__ = ["VALUES", "scale_for", "encode", "decode", "needs_resend", "largest", "sum_phase", "sum_end_to_end",
@@ -86,11 +89,12 @@ def sum_phase(entries, name, process_set, hosts=None):
     """(sums, launches): [(sum, summed flag or None)] of ``entries`` [(payload, finite flag or None, float16
     scale or None)] over the ranks, one allreduce per wire dtype (``sum_end_to_end``, or through ``hosts``):
     a scaled payload goes in float16 with its flag beside it; a float16 sum that overflowed is summed
-    again in the payload's own dtype (``<name>.resend``). Sums come back in the payloads' dtypes."""
+    again in the payload's own dtype (``<name>.resend``). Sums come back in the payloads' dtypes. A
+    generator of collectives (module docstring): it returns (sums, launches)."""
     wire = []
     for payload, flag, scale in entries:
         wire += [encode(payload, scale)] + ([] if flag is None else [flag if scale is None else flag.half()])
-    sums, launches = _sum(wire, name, process_set, hosts)
+    sums, launches = yield from _sum(wire, name, process_set, hosts)
     out, at, resend = [], 0, []
     for payload, flag, scale in entries:
         total, flag_sum = sums[at], None if flag is None else sums[at + 1]
@@ -99,7 +103,7 @@ def sum_phase(entries, name, process_set, hosts=None):
             resend.append(len(out))
         out.append([decode(total, scale, payload.dtype), flag_sum])
     if resend:
-        again, more = _sum([entries[i][0] for i in resend], f"{name}.resend", process_set, hosts)
+        again, more = yield from _sum([entries[i][0] for i in resend], f"{name}.resend", process_set, hosts)
         launches += more
         for i, total in zip(resend, again):
             out[i][0] = total
@@ -109,7 +113,8 @@ def sum_phase(entries, name, process_set, hosts=None):
 def sum_end_to_end(tensors, name, process_set):
     """(the ranks' sums of ``tensors``, [(collective name, numel)]): one in-place allreduce per dtype
     of the tensors laid end to end in their order, all started before any is waited for; float16 by
-    exchange (``_sum_by_exchange``), while the others' allreduces are in flight."""
+    exchange (``_sum_by_exchange``), while the others' allreduces are in flight. A generator of
+    collectives (module docstring)."""
     handles, launches, exchanged = [], [], []
     for indices, flat, label in _flat_by_dtype(tensors, name):
         if flat.dtype == torch.float16:
@@ -117,8 +122,12 @@ def sum_end_to_end(tensors, name, process_set):
             continue
         launches.append((label, flat.numel()))
         handles.append((indices, mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=label, process_set=process_set)))
-    buffers = [(indices, _sum_by_exchange(flat, process_set, label, launches)) for indices, flat, label in exchanged]
-    return _split_sums(tensors, buffers + [(indices, wait(handle)) for indices, handle in handles]), launches
+    buffers = []
+    for indices, flat, label in exchanged:
+        buffers.append((indices, (yield from _sum_by_exchange(flat, process_set, label, launches))))
+    for indices, handle in handles:
+        buffers.append((indices, (yield handle)))
+    return _split_sums(tensors, buffers), launches
 
 
 def _sum_by_exchange(flat, process_set, label, launches):
@@ -128,12 +137,12 @@ def _sum_by_exchange(flat, process_set, label, launches):
     float16 arrives as inf, which ``needs_resend`` sees)."""
     if process_set.size() <= 2:
         launches.append((label, flat.numel()))
-        gathered = wait(mpi_ops.allgather_async(flat, name=label, process_set=process_set))
+        gathered = yield mpi_ops.allgather_async(flat, name=label, process_set=process_set)
         return add_rows(gathered.view(process_set.size(), flat.numel()))
     started = reduce_scatter_async(flat, f"{label}.scatter", process_set)
-    shard = reduce_scatter_wait(started)
+    shard = reduce_scatter_sum(started, (yield started.handle))
     launches += [(f"{label}.scatter", started.numel), (f"{label}.gather", shard.numel())]
-    gathered = wait(mpi_ops.allgather_async(shard.to(torch.float16), name=f"{label}.gather", process_set=process_set))
+    gathered = yield mpi_ops.allgather_async(shard.to(torch.float16), name=f"{label}.gather", process_set=process_set)
     return gathered[:flat.numel()].to(torch.float32)
 
 
@@ -161,7 +170,7 @@ def sum_across_hosts(tensors, name, hosts):
     each rank's shard summed over its cross set (an allreduce; float16 by exchange, from the host's
     float32 sum: only float16 crosses), and the shards allgathered inside the host: every rank ends with
     the same sums, bit for bit (each shard's sum is one cross set's, copied to the whole host). Each
-    step is started for every dtype before any is waited for."""
+    step is started for every dtype before any is waited for. A generator of collectives (module docstring)."""
     launches, scattered = [], []
     for indices, flat, label in _flat_by_dtype(tensors, name):
         started = reduce_scatter_async(flat, f"{label}.scatter", hosts.host)
@@ -169,23 +178,27 @@ def sum_across_hosts(tensors, name, hosts):
         scattered.append((indices, flat, label, started))
     crossed = []
     for indices, flat, label, started in scattered:
-        host_sum = reduce_scatter_wait(started)
+        host_sum = reduce_scatter_sum(started, (yield started.handle))
         if flat.dtype == torch.float16:
-            crossed.append((indices, flat, label, _sum_by_exchange(host_sum.to(torch.float16), hosts.cross,
-                                                                   f"{label}.cross", launches)))
+            crossed.append((indices, flat, label, (yield from _sum_by_exchange(host_sum.to(torch.float16), hosts.cross,
+                                                                               f"{label}.cross", launches))))
             continue
         launches.append((f"{label}.cross", host_sum.numel()))
         crossed.append((indices, flat, label, mpi_ops.allreduce_async_(host_sum, op=mpi_ops.Sum, name=f"{label}.cross",
                                                                        process_set=hosts.cross)))
     gathered = []
     for indices, flat, label, total in crossed:
-        total = total if torch.is_tensor(total) else wait(total)
+        total = total if torch.is_tensor(total) else (yield total)
         launches.append((f"{label}.gather", total.numel()))
         gathered.append((indices, flat.numel(), mpi_ops.allgather_async(total, name=f"{label}.gather",
                                                                         process_set=hosts.host)))
-    return _split_sums(tensors, [(indices, wait(handle)[:numel]) for indices, numel, handle in gathered]), launches
+    sums = []
+    for indices, numel, handle in gathered:
+        sums.append((indices, (yield handle)[:numel]))
+    return _split_sums(tensors, sums), launches
 
 
 def _sum(tensors, name, process_set, hosts):
-    """(the ranks' sums of ``tensors``, launches): over ``process_set``, or through the ``hosts``."""
-    return sum_end_to_end(tensors, name, process_set) if hosts is None else sum_across_hosts(tensors, name, hosts)
+    """(the ranks' sums of ``tensors``, launches): over ``process_set``, or through the ``hosts`` (a generator)."""
+    return (yield from sum_end_to_end(tensors, name, process_set) if hosts is None
+            else sum_across_hosts(tensors, name, hosts))
