@@ -229,3 +229,31 @@ def test_a_checkpoint_of_another_rank_is_refused(hvd):
     same.load_state_dict(saved)
     assert torch.equal(same._hvd_topk.transports["lowrank"].q["0.weight"],
                        saved["hvd_topk"]["transports"]["lowrank"]["q"]["0.weight"])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_last_compress_sums_where_ranks_share_cores(hvd, monkeypatch, shared):
+    """From the second step, where ranks share cores, the step's last compress has summed the P's and Q's
+    before Horovod gets its token (``LowRank.drain``); elsewhere nothing runs before the first
+    decompress. Either way the gradients handed out are the same, bit for bit. (One rank: Horovod
+    calls no compressor at world size 1, so the test does; the 3-rank jobs above drain where the
+    machine has fewer than 3 cores.)"""
+    from hvd_topk.step import compressor_door
+    monkeypatch.setattr(compressor_door, "ranks_share_cores", lambda: shared)
+    model = _model()
+    named = list(model.named_parameters())
+    comp = hvd_topk.PowerSGD(rank=2, named_parameters=named)
+    reference = hvd_topk.PowerSGD(rank=2, named_parameters=named)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for _, p in named]
+        for (_, p), g in zip(named, grads):
+            p.grad = g                    # named keys find a gradient's parameter by its .grad
+        monkeypatch.setattr(compressor_door, "ranks_share_cores", lambda: shared)
+        compressed = [comp.compress(g) for g in grads]
+        running = comp.transport.running
+        assert (running is not None and running.done) == (shared and step > 0), step
+        got = [comp.decompress(out.clone(), ctx) for out, ctx in compressed]
+        monkeypatch.setattr(compressor_door, "ranks_share_cores", lambda: False)       # the reference: never
+        want = [reference.decompress(out.clone(), ctx) for out, ctx in [reference.compress(g) for g in grads]]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step

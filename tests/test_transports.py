@@ -103,3 +103,16 @@ def test_waiting_ranks_sleep_instead_of_spinning(results, launch):
     waits = [r["late_wait"] for r in results(launch)][:-1]
     for wall, cpu in waits:
         assert wall > 0.5 and cpu < 0.2 * wall, waits
+
+
+def test_shared_cores_setting_reads_0_1_or_nothing(monkeypatch):
+    """HVD_TOPK_SHARED_CORES: '1' or '0' decides whether ranks share cores (hosts that share a machine's
+    cores, which Horovod counts apart); unset or empty leaves it to the rule; anything else names it."""
+    from hvd_topk.transports import collectives
+    assert [collectives.shared_cores_setting(t) for t in ("1", "0", "", None)] == [True, False, None, None]
+    for bad in ("yes", "2", " 1", "true"):
+        with pytest.raises(ValueError, match=r"HVD_TOPK_SHARED_CORES must be '0' or '1' \(unset: ranks per host"):
+            collectives.shared_cores_setting(bad)
+    for forced in (True, False):
+        monkeypatch.setattr(collectives, "_SHARED_CORES", forced)
+        assert collectives.ranks_share_cores() is forced

@@ -81,11 +81,28 @@ class Waits:
         return self.result
 
 
+def shared_cores_setting(text):
+    """HVD_TOPK_SHARED_CORES as given: True for '1', False for '0', None (the rule decides) unset or empty."""
+    if text in (None, ""):
+        return None
+    if text not in ("0", "1"):
+        raise ValueError(f"HVD_TOPK_SHARED_CORES must be '0' or '1' (unset: ranks per host against its cores), "
+                         f"got {text!r}")
+    return text == "1"
+
+
+_SHARED_CORES = shared_cores_setting(os.environ.get("HVD_TOPK_SHARED_CORES"))
+
+
 def ranks_share_cores():
     """Whether this host runs more of the job's ranks than it has cores: then a rank that spins while it
     waits takes the CPU from the ranks still working, and one that sleeps gives it back
     (docs/studies/2026-11-wait-poll-vs-spin.md). Each rank's own affinity is not counted: ranks bound
-    to a core each share none."""
+    to a core each share none. HVD_TOPK_SHARED_CORES=1 (or 0) says so (or not) where Horovod's hosts
+    are not machines: hosts that share one machine's cores (containers on one node, the benchmarks'
+    emulated hosts) each count only their own ranks."""
+    if _SHARED_CORES is not None:
+        return _SHARED_CORES
     return mpi_ops.local_size() > (os.cpu_count() or 1)
 
 
