@@ -11,11 +11,12 @@ a check that every rank keyed the gradient alike), as ``TopKEF``'s split_reduce 
 2. Horovod compresses every gradient of a step before it decompresses any, so at the first
    ``decompress`` every rank has started the same keys: the token tells whether Horovod averaged, and
    the transport runs both phases for every key in sorted order (no order of the ranks can hang it).
-   Where ranks share cores, from the second step on, the step's last ``compress`` already runs the
-   P and Q sums, asleep between polls, for up to ``DRAIN_S``: Horovod's ``synchronize()`` spins until
-   every rank's tokens are in, and spinning ranks take the CPU that ranks still in their backward pass
-   need; asleep, they give it back, and the tokens find every rank ready. (P Q^T itself needs Horovod's
-   op: it stays for the first ``decompress``, as does whatever is left where a rank is late.)
+   Where ranks share cores, from the second step on, the step's last ``compress`` has the P and Q sums
+   run as soon as the backward pass ends (``after_backward``), asleep between polls, for up to
+   ``DRAIN_S``, while Horovod reduces the tokens. Why: Horovod's ``synchronize()`` spins until every
+   rank's tokens are in, and spinning ranks take the CPU that ranks still in their backward pass need;
+   asleep, they give it back, and the tokens find every rank ready. (P Q^T itself needs Horovod's op:
+   it stays for the first ``decompress``, as does whatever is left where a rank is late.)
 3. ``decompress`` returns P Q^T (the mean, or the sum where Horovod sums); this rank's residual becomes
    M - P Q^T, committed at the step's end if every rank was finite.
 
@@ -32,7 +33,8 @@ from horovod.torch import mpi_ops
 
 from .arguments import check_hierarchical
 from .settings import PowerSGDSettings
-from .step.compressor_door import ClassOrInstance, CompressorDoor, keys_and_residuals, load_keys_and_residuals
+from .step.compressor_door import (ClassOrInstance, CompressorDoor, after_backward, keys_and_residuals,
+                                  load_keys_and_residuals)
 from .step.compressor_global import DRAIN_S
 from .step.op_token import OpToken
 from .step.stats import StepStats
@@ -134,7 +136,7 @@ class PowerSGD(CompressorDoor):
     def _after_compress(self):          # the step's last gradient, where ranks share cores: module docstring, 2
         if self._transport is not None and self._last_compress_may_drain():
             self.step_stats.syncing()
-            self._transport.drain(time.monotonic() + DRAIN_S)
+            after_backward(lambda: self._transport.drain(time.monotonic() + DRAIN_S))
 
     def _failed_payload(self, tensor):
         compressed = compressed_rank(tuple(tensor.shape), self.settings.rank, self.settings.min_compression_rate)

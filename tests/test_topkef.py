@@ -59,6 +59,19 @@ def test_bad_shutdown_grace_names_the_variable_and_range(monkeypatch, text):
         compressor_door._shutdown_grace_s()
 
 
+def test_after_backward_runs_once_the_pass_has_ended():
+    """The stock doors' step-end work waits for the backward pass (Horovod has every token by then);
+    outside a pass it runs at once."""
+    from hvd_topk.step.compressor_door import after_backward
+    order = []
+    x = torch.ones(3, requires_grad=True)
+    x.register_hook(lambda g: after_backward(lambda: order.append("callback")) or order.append("hook"))
+    (x * 2).sum().backward()
+    order.append("returned")
+    after_backward(lambda: order.append("now"))
+    assert order == ["hook", "callback", "returned", "now"]
+
+
 def test_shutdown_grace_is_read_from_the_environment(monkeypatch):
     from hvd_topk.step import compressor_door
     monkeypatch.setenv("HVD_TOPK_SHUTDOWN_GRACE_S", "7.5")

@@ -35,7 +35,7 @@ from ..core.validate import check_number
 from ..transports.collectives import ranks_share_cores
 
 __all__ = ["ClassOrInstance", "CompressorDoor", "FailedCompress", "PendingStep", "SHUTDOWN_GRACE_S",
-           "ends_job_on_mismatch", "report_mismatch", "keys_and_residuals", "load_keys_and_residuals"]
+           "ends_job_on_mismatch", "report_mismatch", "after_backward", "keys_and_residuals", "load_keys_and_residuals"]
 
 REPORT_GRACE_S = 2.0          # time the ranks that failed the same check get to write it before one exits
 
@@ -247,6 +247,22 @@ class CompressorDoor(Compressor):
     def _end_step(self):
         """The step's last gradient was decompressed: its residuals are committed if it was finite."""
         self._step.end()
+
+
+def after_backward(fn):
+    """Call ``fn()`` once the backward pass under way has ended, or now outside one.
+
+    Why: a stock door's step-end work (draining the step's collectives, asleep) must not hold back the
+    gradient Horovod is about to allreduce: called inside the last ``compress``, it delays that token
+    until the phases are done, and the tokens' round then comes after the phases instead of beside
+    them. torch's autograd engine runs queued callbacks after the last hook of the pass (DDP's reducer
+    finishes its buckets the same way), by then Horovod has sent every gradient of the step. Outside a
+    backward pass (Horovod's ``synchronize()`` compressing a gradient the pass did not produce, or a
+    direct call) torch refuses the callback, and ``fn`` runs at once."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+    except RuntimeError:                # "Final callbacks can only be installed during backward pass"
+        fn()
 
 
 def keys_and_residuals(door):

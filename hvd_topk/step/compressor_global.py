@@ -19,6 +19,7 @@ last gradient (``hvd_topk.arguments.check_stock_selection``).
 import time
 
 from .bucket import GlobalBucket
+from .compressor_door import after_backward
 from ..core.sparsify import k_for, sq_norm_finite
 from ..transports.collectives import agree, ranks_share_cores
 
@@ -58,21 +59,23 @@ class GlobalSelection:
 
     def flush(self):
         """The step's last gradient is compressed (from the second step: ``keys.step_complete``). Where
-        ranks share cores (``ranks_share_cores``) the bucket leaves now, and this rank advances its
-        phases, asleep between polls, until they are done or DRAIN_S has passed. Why: Horovod's
+        ranks share cores (``ranks_share_cores``) the bucket leaves now, and once the backward pass has
+        ended (``after_backward``: Horovod has the last token by then) this rank advances its phases,
+        asleep between polls, until they are done or DRAIN_S has passed. Why: Horovod's
         ``synchronize()`` spins on the tokens until the slowest rank has compressed its last gradient, and
         the spinning ranks take the CPU the slow ones need; asleep here, they give it back, and the tokens
         then find every rank ready. Where every rank has a core, spinning costs nothing, and leaving here
-        measured slower (a 2-rank small CNN's step: 1.63-1.87x dense's draining, 1.58-1.70x only starting,
-        1.48-1.52x at the first decompress): there the bucket leaves at the first decompress. Not in a step
-        whose row-sparse tensors are still to be measured (the first, or the first after a reset): that
-        measurement blocks on a collective."""
+        measured slower (a 2-rank small CNN's step: 1.63-1.87x dense's draining inside the last compress,
+        1.58-1.70x only starting, 1.48-1.52x at the first decompress): there the bucket leaves at the first
+        decompress. Not in a step whose row-sparse tensors are still to be measured (the first, or the
+        first after a reset): that measurement blocks on a collective."""
         self.transports.flush()
         if not ranks_share_cores() or self.bucket.alone is None or not self.bucket.entries:
             return
         self.transports.stats.syncing()       # its waits are the step's synchronization from here
         self.bucket.start(self._run)
-        self.transports.own[self.transports.communication].drain(time.monotonic() + DRAIN_S)
+        transport = self.transports.own[self.transports.communication]
+        after_backward(lambda: transport.drain(time.monotonic() + DRAIN_S))
 
     def receive(self, reduced, key):
         """(``key``'s flat slice of the aggregate, or None where some rank was non-finite; its new residual
