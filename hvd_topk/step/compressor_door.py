@@ -240,8 +240,8 @@ class CompressorDoor(Compressor):
 
     def _last_compress_may_drain(self):
         """Whether this ``compress`` was the step's last (from the second step on) and the ranks share
-        cores: then the step's collectives may run now, asleep between polls (TopKEF's global selection,
-        PowerSGD), rather than after Horovod's spinning ``synchronize()``."""
+        cores: then the step's collectives may run asleep once the backward pass ends (``after_backward``;
+        TopKEF's global selection, PowerSGD), rather than after Horovod's spinning ``synchronize()``."""
         return self._step.failure is None and self.keys.step_complete() and ranks_share_cores()
 
     def _end_step(self):

@@ -53,7 +53,7 @@ class Waits:
     ``finish()`` waits for each collective in turn (``wait``). ``advance(until)`` starts what it can and
     polls, asleep between polls, until the generator is done or ``time.monotonic()`` reaches ``until``;
     it never blocks on a collective, so a caller may run it where some rank could be late (a stock
-    door's last ``compress``), leaving the rest to ``finish()``."""
+    door's drain after the backward pass), leaving the rest to ``finish()``."""
 
     def __init__(self, steps):
         self.steps, self.handle, self.done, self.result = steps, None, False, None

@@ -9,7 +9,7 @@ moves the matrices:
    dimension, or is sent whole: k = numel) goes dense: its accumulator takes P's place.
 2. The first ``finish`` of the step runs the rest for every key started, in sorted key order, so ranks
    that started them in different orders still add the same collectives in the same order (``drain``
-   may have run a and b already: the stock door's last ``compress`` where ranks share cores):
+   may have run a and b already: the stock door's, after the backward pass, where ranks share cores):
    a. one allreduce (per dtype) of all the P's and dense tensors, laid end to end with one finite flag
       per key; any rank's raised flag, or a non-finite sum, gives that key None on every rank;
    b. P orthogonalized, Q_i = M_i^T P, one allreduce (per dtype) of all the Q's;

@@ -18,7 +18,7 @@ alike while the finite flags are clear; the transport then sums that tensor agai
 laid end to end; ``sum_across_hosts``: the same through a job's hosts, ``communication='hierarchical'``).
 Each is a generator of collectives (``collectives.Waits``): it yields each handle it must wait for and
 gets back that collective's output, so its caller decides how to wait: to the end at once, or polling
-with a deadline (the stock door's last ``compress``, ``hvd_topk.powersgd``).
+with a deadline (the stock door's drain after the backward pass, ``hvd_topk.powersgd``).
 
 float16 is summed by exchange, not by Horovod's sum: Horovod adds float16 one element at a time in
 software (Gloo's and its own MPI reduction), so on 2 ranks of a 2-core CPU machine a float16 allreduce
