@@ -259,9 +259,10 @@ def after_backward(fn):
     finishes its buckets the same way), by then Horovod has sent every gradient of the step. Outside a
     backward pass (Horovod's ``synchronize()`` compressing a gradient the pass did not produce, or a
     direct call) torch refuses the callback, and ``fn`` runs at once."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     try:
-        torch.autograd.Variable._execution_engine.queue_callback(fn)
-    except RuntimeError:                # "Final callbacks can only be installed during backward pass"
+        engine.queue_callback(fn)
+    except (RuntimeError, AttributeError):   # not in a backward pass; or a torch without this engine API
         fn()
 
 
