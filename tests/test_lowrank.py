@@ -397,7 +397,7 @@ def test_float16_accumulators_get_float16_sums(hvd):
 
 
 def test_drain_runs_the_sums_early_with_the_same_outcomes(hvd):
-    """``drain`` (the stock door's last compress where ranks share cores) runs phases a-b before the
+    """``drain`` (the stock door's, after the backward pass, where ranks share cores) runs phases a-b before the
     first finish; the outcomes are those of a step without it, bit for bit, also for a key started
     after the drain began, a dense key and a finish in another order. (The 3-rank PowerSGD jobs in
     tests/test_powersgd.py drain on a machine whose ranks share cores, as CI's 2 cores do.)"""

@@ -233,11 +233,11 @@ def test_a_checkpoint_of_another_rank_is_refused(hvd):
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_the_last_compress_sums_where_ranks_share_cores(hvd, monkeypatch, shared):
-    """From the second step, where ranks share cores, the step's last compress has summed the P's and Q's
-    before Horovod gets its token (``LowRank.drain``); elsewhere nothing runs before the first
-    decompress. Either way the gradients handed out are the same, bit for bit. (One rank: Horovod
-    calls no compressor at world size 1, so the test does; the 3-rank jobs above drain where the
-    machine has fewer than 3 cores.)"""
+    """From the second step, where ranks share cores, the P's and Q's are summed once the backward pass
+    of the step's last compress ends (``after_backward``, ``LowRank.drain``; called outside a pass, as
+    here, at once); elsewhere nothing runs before the first decompress. Either way the gradients
+    handed out are the same, bit for bit. (One rank: Horovod calls no compressor at world size 1, so
+    the test does; the 3-rank jobs above drain where the machine has fewer than 3 cores.)"""
     from hvd_topk.step import compressor_door
     monkeypatch.setattr(compressor_door, "ranks_share_cores", lambda: shared)
     model = _model()
