@@ -239,7 +239,6 @@ def test_the_last_compress_sums_where_ranks_share_cores(hvd, monkeypatch, shared
     handed out are the same, bit for bit. (One rank: Horovod calls no compressor at world size 1, so
     the test does; the 3-rank jobs above drain where the machine has fewer than 3 cores.)"""
     from hvd_topk.step import compressor_door
-    monkeypatch.setattr(compressor_door, "ranks_share_cores", lambda: shared)
     model = _model()
     named = list(model.named_parameters())
     comp = hvd_topk.PowerSGD(rank=2, named_parameters=named)

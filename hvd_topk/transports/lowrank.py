@@ -145,29 +145,30 @@ class _StepPhases(_KeptState):
             self._last_phase(*Waits(self._phases()).finish())
 
     def _last_phase(self, work, sums, second, q_sums):
-        """Phase c: each key's outcome from its sums (``_phases``)."""
+        """Phase c: each key's outcome from its sums (``_phases``; a P sum of None was not finite)."""
         size = self.collectives.process_set.size()
-        for key, (total, flag) in sums.items():
-            if flag_raised(flag.reshape(())) or not _all_finite(total):       # identical on every rank
+        for key, total in sums.items():
+            if total is None:                   # identical on every rank: every rank skips the key
                 self.outcomes[key] = Outcome(None, None)
             elif work[key].matrix is None:      # dense: all was sent, the caller flushes the residual
                 total = total * (1.0 / size) if self.average else total
                 self.outcomes[key] = Outcome(total.reshape(-1).to(work[key].acc.dtype), None)
         for key, q_sum in q_sums.items():
-            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum, sums[key][0])
+            self.outcomes[key] = self._lowrank(key, work[key], second[key][0], q_sum, sums[key])
 
     def _phases(self):
         """Phases a and b (module docstring), a generator of collectives (``Waits``): returns the step's
-        work, the P sums, (P orthogonalized, this rank's Q_i) and the Q sums of the compressed keys."""
+        work, the P sums (None where some rank's flag was raised or the sum is not finite: each sum is
+        read once), (P orthogonalized, this rank's Q_i) and the Q sums of the compressed keys."""
         self.collectives.start_pending()
         keys = sorted(self.inflight)
         work, self.inflight, self.launches = self.inflight, {}, []
         p_sums = yield from self._sum_phase("P", [(work[key].payload, work[key].flag, work[key].p_scale)
                                                   for key in keys])
-        sums, second = dict(zip(keys, p_sums)), {}
-        for key, (total, flag) in sums.items():
-            if work[key].matrix is not None and not flag_raised(flag.reshape(())) and _all_finite(total):
-                second[key] = finish_power_iteration(work[key].matrix, total, self.epsilon)
+        sums = {key: None if flag_raised(flag.reshape(())) or not _all_finite(total) else total
+                for key, (total, flag) in zip(keys, p_sums)}
+        second = {key: finish_power_iteration(work[key].matrix, total, self.epsilon)
+                  for key, total in sums.items() if total is not None and work[key].matrix is not None}
         compressed = sorted(second)
         q_sums = yield from self._sum_phase("Q", [(second[key][1], None, work[key].q_scale) for key in compressed])
         return work, sums, second, {key: q_sum for key, (q_sum, _) in zip(compressed, q_sums)}
