@@ -1,0 +1,173 @@
+"""Top-K's levers on the MLP at about equal bytes, 4 ranks emulated in one process: steps to dense final - 1 pt.
+
+The study "Steps to a target" (docs/studies/2026-11-steps-to-target.md, run 16) asks which lever brings
+global selection's 1.5-1.65x dense's steps on this MLP toward the issue's 1.3x without more bytes. The
+emulation of run 15 (``bench/results/ef_variants_emulated_mlp_np4/emulate.py``, whose task, batches,
+initial weights and evaluation this script reuses) reproduced the library's figures; here its classic
+error feedback (split_reduce's global selection, float32) is the base, and each arm changes one thing:
+
+- ``ef 0.01`` / ``ef 0.02``: the base at the default ratio and at twice it (the issue's "2% costs what
+  1% cost with 8-byte entries");
+- ``budget 2`` / ``budget 4 at 0.005``: split_reduce keeps the largest ``budget * k`` summed candidates
+  (of at most ``ranks * k``), not k; at 0.005 and budget 4 about the bytes of budget 1 at 0.01;
+- ``dgc 0.01``: DGC's momentum correction and factor masking (Lin et al., ICLR'18) with global
+  selection: each rank accumulates its own velocity u = 0.9 u + grad into v, top-k's v, and zeroes u and
+  v where it sent; the optimizer is SGD without momentum on the mean of what was sent;
+- ``anneal``: the ratio falls geometrically from 0.04 to 0.01 over the first 60 steps, then stays
+  (more bytes only at the start: a "denser start" priced in bytes).
+
+Each arm's bytes per rank per step are counted from the entries on split_reduce's two phases: a rank
+sends the (ranks - 1) / ranks of its k nominations that other ranks own, and a ring allgather of the kept
+sums sends (ranks - 1) / ranks of them per rank; 4 bytes an entry (the 16-bit value and its 2-byte
+offset). Dense tensors (under 1024 elements) are left out of the count (the same in every arm).
+
+    python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2
+"""
+import argparse
+import json
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from bench.manifest import write_manifest
+from bench.results.ef_variants_emulated_mlp_np4.emulate import BETA, EVERY, MIN_NUMEL, RANKS, STEPS, steps_to
+from bench.tasks import Task
+from hvd_topk.core.sparsify import k_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ARMS = {  # name: (ratio at step 0, ratio from step 60, budget, momentum correction)
+    "dense": None,
+    "ef 0.01": (0.01, 0.01, 1, False),
+    "ef 0.02": (0.02, 0.02, 1, False),
+    "budget 2": (0.01, 0.01, 2, False),
+    "budget 4 at 0.005": (0.005, 0.005, 4, False),
+    "dgc 0.01": (0.01, 0.01, 1, True),
+    "anneal": (0.04, 0.01, 1, False),
+}
+ANNEAL_STEPS = 60
+
+
+def ratio_at(step, first, last):
+    """Geometric from ``first`` to ``last`` over ANNEAL_STEPS steps, then ``last``."""
+    if step >= ANNEAL_STEPS or first == last:
+        return last
+    return first * math.exp(math.log(last / first) * step / ANNEAL_STEPS)
+
+
+def exchange(accs, dense_mask, k, budget):
+    """split_reduce's global selection over every rank's flat acc, the largest ``budget * k`` sums kept:
+    (mean of what was kept, each rank's sent entries, entries a rank puts on the wire)."""
+    n = accs[0].numel()
+    sparse = [a.masked_fill(dense_mask, 0.0) for a in accs]
+    nominated = [torch.topk(s.abs(), k).indices for s in sparse]
+    candidates = torch.zeros(n)
+    nominated_anywhere = torch.zeros(n, dtype=torch.bool)
+    for s, idx in zip(sparse, nominated):
+        candidates.index_add_(0, idx, s[idx])
+        nominated_anywhere[idx] = True
+    keep = min(budget * k, int(nominated_anywhere.sum()))
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[torch.topk(candidates.abs().masked_fill(~nominated_anywhere, -1.0), keep).indices] = True
+    sent = []
+    for a, s, idx in zip(accs, sparse, nominated):
+        mine = torch.zeros(n)
+        mine[idx] = s[idx]
+        sent.append(torch.where(dense_mask, a, mine * kept))
+    share = (RANKS - 1) / RANKS
+    return sum(sent) / len(sent), sent, share * k + share * keep
+
+
+def train(arm, seed):
+    """(accuracy after every EVERY-th step, mean bytes per rank per step) of one arm and seed."""
+    torch.set_num_threads(1)                # one core per (arm, seed): --jobs of them run at once
+    tasks = [Task("mlp", r, RANKS, seed=seed, steps=STEPS) for r in range(RANKS)]
+    torch.manual_seed(seed)                 # the harness's initial weights for this seed
+    model = tasks[0].build()
+    params = list(model.parameters())
+    sizes = [q.numel() for q in params]
+    dense_mask = torch.cat([torch.full((n,), n < MIN_NUMEL) for n in sizes])
+    n, compressed = dense_mask.numel(), int((~dense_mask).sum())
+    lr, setting = tasks[0].recipe["lr"], ARMS[arm]
+    correction = setting is not None and setting[3]
+    opt = torch.optim.SGD(params, lr=lr) if correction else torch.optim.SGD(params, lr=lr, momentum=BETA)
+    residual = [torch.zeros(n) for _ in range(RANKS)]     # each rank's v (DGC) or acc - sent (EF)
+    velocity = [torch.zeros(n) for _ in range(RANKS)]     # DGC: each rank's u
+    curve, entries = [], 0.0
+    for step in range(STEPS):
+        grads = []
+        for task in tasks:
+            x, y = task.batch(step)
+            model.zero_grad()
+            task.loss(model(x), y).backward()
+            grads.append(torch.cat([q.grad.reshape(-1) for q in params]))
+        if setting is None:
+            update = sum(grads) / RANKS
+        else:
+            first, last, budget, _ = setting
+            if correction:
+                velocity = [BETA * u + g for u, g in zip(velocity, grads)]
+                accs = [r + u for r, u in zip(residual, velocity)]
+            else:
+                accs = [g + r for g, r in zip(grads, residual)]
+            update, sent, wire = exchange(accs, dense_mask, k_for(compressed, ratio_at(step, first, last)), budget)
+            entries += wire
+            residual = [a - s for a, s in zip(accs, sent)]
+            if correction:    # factor masking: no velocity left where the entry was sent
+                velocity = [u.masked_fill((s != 0) & ~dense_mask, 0.0) for u, s in zip(velocity, sent)]
+        offset = 0
+        for q, size in zip(params, sizes):
+            q.grad = update[offset:offset + size].view_as(q).clone()
+            offset += size
+        opt.step()
+        if (step + 1) % EVERY == 0:
+            curve.append(tasks[0].evaluate(model)["accuracy"])
+    return curve, 4 * entries / STEPS
+
+
+def table(records):
+    """Markdown: steps to each seed's dense final - 1 pt, per arm, and the bytes."""
+    seeds = sorted({r["seed"] for r in records})
+    runs = {(r["arm"], r["seed"]): r for r in records}
+    lines = ["| arm | steps to dense final - 1 pt (seeds " + ", ".join(map(str, seeds)) + ") | mean | vs dense "
+             "| final accuracy (mean) | bytes per rank per step (compressed tensors) |",
+             "|---|---|---:|---:|---:|---:|"]
+    base = None
+    for arm in dict.fromkeys(r["arm"] for r in records):
+        steps = [steps_to(runs[arm, s]["accuracy"], runs["dense", s]["accuracy"][-1] - 0.01) for s in seeds]
+        mean = None if None in steps else sum(steps) / len(steps)
+        base = mean if arm == "dense" else base
+        ratio = "-" if mean is None or base is None else f"{mean / base:.2f}x"
+        final = sum(runs[arm, s]["accuracy"][-1] for s in seeds) / len(seeds)
+        wire = sum(runs[arm, s]["bytes"] for s in seeds) / len(seeds)
+        lines.append(f"| {arm} | " + ", ".join("n.r." if s is None else str(s) for s in steps)
+                     + f" | {'n.r.' if mean is None else f'{mean:.0f}'} | {ratio} | {final:.4f} | "
+                     + ("-" if arm == "dense" else f"{wire:,.0f}") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated names from ARMS (dense always runs)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count())
+    p.add_argument("--out", default=HERE)
+    args = p.parse_args()
+    arms = ["dense"] + [a for a in args.arms.split(",") if a != "dense"]
+    runs = [(arm, int(seed)) for seed in args.seeds.split(",") for arm in arms]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        outcomes = list(pool.map(train, *zip(*runs)))
+    records = [{"arm": arm, "seed": seed, "accuracy": curve, "bytes": wire}
+               for (arm, seed), (curve, wire) in zip(runs, outcomes)]
+    with open(os.path.join(args.out, "records.json"), "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table(records))
+    write_manifest(args.out)
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
