@@ -14,12 +14,16 @@ error feedback (split_reduce's global selection, float32) is the base, and each 
   selection: each rank accumulates its own velocity u = 0.9 u + grad into v, top-k's v, and zeroes u and
   v where it sent; the optimizer is SGD without momentum on the mean of what was sent;
 - ``anneal``: the ratio falls geometrically from 0.04 to 0.01 over the first 60 steps, then stays
-  (more bytes only at the start: a "denser start" priced in bytes).
+  (more bytes only at the start: a "denser start" priced in bytes);
+- round 2 (``--arms`` of the four last names, ``--out`` its own folder): budget 4 at 0.0035 (the bytes
+  of budget 1 at 0.01), budget 4 with the ratio annealed from 0.02 to 0.005, and the output layer
+  (1024 x 10) sent dense, alone and with budget 4 at 0.005.
 
 Each arm's bytes per rank per step are counted from the entries on split_reduce's two phases: a rank
 sends the (ranks - 1) / ranks of its k nominations that other ranks own, and a ring allgather of the kept
 sums sends (ranks - 1) / ranks of them per rank; 4 bytes an entry (the 16-bit value and its 2-byte
-offset). Dense tensors (under 1024 elements) are left out of the count (the same in every arm).
+offset). Tensors under 1024 elements go dense in every arm and are left out of the count; a larger
+tensor an arm sends dense counts 4 bytes an element on a ring allreduce's 2 (ranks - 1) / ranks.
 
     python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2
 """
@@ -37,14 +41,19 @@ from bench.tasks import Task
 from hvd_topk.core.sparsify import k_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ARMS = {  # name: (ratio at step 0, ratio from step 60, budget, momentum correction)
+ARMS = {  # name: (ratio at step 0, ratio from step 60, budget, momentum correction, dense below this many elements)
     "dense": None,
-    "ef 0.01": (0.01, 0.01, 1, False),
-    "ef 0.02": (0.02, 0.02, 1, False),
-    "budget 2": (0.01, 0.01, 2, False),
-    "budget 4 at 0.005": (0.005, 0.005, 4, False),
-    "dgc 0.01": (0.01, 0.01, 1, True),
-    "anneal": (0.04, 0.01, 1, False),
+    "ef 0.01": (0.01, 0.01, 1, False, MIN_NUMEL),
+    "ef 0.02": (0.02, 0.02, 1, False, MIN_NUMEL),
+    "budget 2": (0.01, 0.01, 2, False, MIN_NUMEL),
+    "budget 4 at 0.005": (0.005, 0.005, 4, False, MIN_NUMEL),
+    "dgc 0.01": (0.01, 0.01, 1, True, MIN_NUMEL),
+    "anneal": (0.04, 0.01, 1, False, MIN_NUMEL),
+    # round 2: the two that took 1.40x, together and at equal bytes; the output layer (10,240) dense
+    "budget 4 at 0.0035": (0.0035, 0.0035, 4, False, MIN_NUMEL),
+    "budget 4, anneal 0.02-0.005": (0.02, 0.005, 4, False, MIN_NUMEL),
+    "ef 0.01, output dense": (0.01, 0.01, 1, False, 16384),
+    "budget 4 at 0.005, output dense": (0.005, 0.005, 4, False, 16384),
 }
 ANNEAL_STEPS = 60
 
@@ -87,14 +96,16 @@ def train(arm, seed):
     model = tasks[0].build()
     params = list(model.parameters())
     sizes = [q.numel() for q in params]
-    dense_mask = torch.cat([torch.full((n,), n < MIN_NUMEL) for n in sizes])
-    n, compressed = dense_mask.numel(), int((~dense_mask).sum())
     lr, setting = tasks[0].recipe["lr"], ARMS[arm]
+    dense_below = MIN_NUMEL if setting is None else setting[4]
+    dense_mask = torch.cat([torch.full((n,), n < dense_below) for n in sizes])
+    n, compressed = dense_mask.numel(), int((~dense_mask).sum())
     correction = setting is not None and setting[3]
     opt = torch.optim.SGD(params, lr=lr) if correction else torch.optim.SGD(params, lr=lr, momentum=BETA)
     residual = [torch.zeros(n) for _ in range(RANKS)]     # each rank's v (DGC) or acc - sent (EF)
     velocity = [torch.zeros(n) for _ in range(RANKS)]     # DGC: each rank's u
-    curve, entries = [], 0.0
+    # dense tensors above the common MIN_NUMEL are counted: a ring allreduce sends 2 (ranks - 1) / ranks of them
+    curve, entries = [], 2 * (RANKS - 1) / RANKS * sum(q for q in sizes if MIN_NUMEL <= q < dense_below) * STEPS
     for step in range(STEPS):
         grads = []
         for task in tasks:
@@ -105,7 +116,7 @@ def train(arm, seed):
         if setting is None:
             update = sum(grads) / RANKS
         else:
-            first, last, budget, _ = setting
+            first, last, budget = setting[:3]
             if correction:
                 velocity = [BETA * u + g for u, g in zip(velocity, grads)]
                 accs = [r + u for r, u in zip(residual, velocity)]
