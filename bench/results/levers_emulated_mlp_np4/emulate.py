@@ -51,9 +51,9 @@ ARMS = {  # name: (ratio at step 0, ratio from step 60, budget, momentum correct
     "anneal": (0.04, 0.01, 1, False, MIN_NUMEL),
     # round 2: the two that took 1.40x, together and at equal bytes; the output layer (10,240) dense
     "budget 4 at 0.0035": (0.0035, 0.0035, 4, False, MIN_NUMEL),
-    "budget 4, anneal 0.02-0.005": (0.02, 0.005, 4, False, MIN_NUMEL),
-    "ef 0.01, output dense": (0.01, 0.01, 1, False, 16384),
-    "budget 4 at 0.005, output dense": (0.005, 0.005, 4, False, 16384),
+    "budget 4 anneal 0.02-0.005": (0.02, 0.005, 4, False, MIN_NUMEL),
+    "ef 0.01 output dense": (0.01, 0.01, 1, False, 16384),
+    "budget 4 at 0.005 output dense": (0.005, 0.005, 4, False, 16384),
 }
 ANNEAL_STEPS = 60
 
