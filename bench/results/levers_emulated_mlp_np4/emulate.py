@@ -17,7 +17,9 @@ error feedback (split_reduce's global selection, float32) is the base, and each 
   (more bytes only at the start: a "denser start" priced in bytes);
 - round 2 (``--arms`` of the four last names, ``--out`` its own folder): budget 4 at 0.0035 (the bytes
   of budget 1 at 0.01), budget 4 with the ratio annealed from 0.02 to 0.005, and the output layer
-  (1024 x 10) sent dense, alone and with budget 4 at 0.005.
+  (1024 x 10) sent dense, alone and with budget 4 at 0.005;
+- round 3 (``--arms "ef 0.01" --trace``): the defaults' arithmetic with a per-step trace, to see what the
+  stall of every Top-K arm at steps 60-80 is made of.
 
 Each arm's bytes per rank per step are counted from the entries on split_reduce's two phases: a rank
 sends the (ranks - 1) / ranks of its k nominations that other ranks own, and a ring allgather of the kept
@@ -28,6 +30,7 @@ tensor an arm sends dense counts 4 bytes an element on a ring allreduce's 2 (ran
     python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -89,7 +92,9 @@ def exchange(accs, dense_mask, k, budget):
 
 
 def train(arm, seed):
-    """(accuracy after every EVERY-th step, mean bytes per rank per step) of one arm and seed."""
+    """(accuracy after every EVERY-th step, mean bytes per rank per step, trace) of one arm and seed.
+    The trace (compressed arms, every step): each weight's share of the aggregate's sparse entries, the
+    ranks' mean residual's norm over their mean gradient's, and the cosine of the two (round 3)."""
     torch.set_num_threads(1)                # one core per (arm, seed): --jobs of them run at once
     tasks = [Task("mlp", r, RANKS, seed=seed, steps=STEPS) for r in range(RANKS)]
     torch.manual_seed(seed)                 # the harness's initial weights for this seed
@@ -106,6 +111,7 @@ def train(arm, seed):
     velocity = [torch.zeros(n) for _ in range(RANKS)]     # DGC: each rank's u
     # dense tensors above the common MIN_NUMEL are counted: a ring allreduce sends 2 (ranks - 1) / ranks of them
     curve, entries = [], 2 * (RANKS - 1) / RANKS * sum(q for q in sizes if MIN_NUMEL <= q < dense_below) * STEPS
+    trace, weights = [], [(o, o + q) for o, q in zip([0] + list(itertools.accumulate(sizes)), sizes) if q >= dense_below]
     for step in range(STEPS):
         grads = []
         for task in tasks:
@@ -125,6 +131,10 @@ def train(arm, seed):
             update, sent, wire = exchange(accs, dense_mask, k_for(compressed, ratio_at(step, first, last)), budget)
             entries += wire
             residual = [a - s for a, s in zip(accs, sent)]
+            mean_grad, mean_residual, kept = sum(grads) / RANKS, sum(residual) / RANKS, (update != 0) & ~dense_mask
+            trace.append({"share": [round(int(kept[a:b].sum()) / max(1, int(kept.sum())), 4) for a, b in weights],
+                          "residual_over_grad": round(float(mean_residual.norm() / mean_grad.norm()), 4),
+                          "cosine": round(float(torch.nn.functional.cosine_similarity(mean_residual, mean_grad, 0)), 4)})
             if correction:    # factor masking: no velocity left where the entry was sent
                 velocity = [u.masked_fill((s != 0) & ~dense_mask, 0.0) for u, s in zip(velocity, sent)]
         offset = 0
@@ -134,7 +144,7 @@ def train(arm, seed):
         opt.step()
         if (step + 1) % EVERY == 0:
             curve.append(tasks[0].evaluate(model)["accuracy"])
-    return curve, 4 * entries / STEPS
+    return curve, 4 * entries / STEPS, trace
 
 
 def table(records):
@@ -164,13 +174,14 @@ def main():
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated names from ARMS (dense always runs)")
     p.add_argument("--jobs", type=int, default=os.cpu_count())
     p.add_argument("--out", default=HERE)
+    p.add_argument("--trace", action="store_true", help="keep each compressed arm's per-step trace in records.json")
     args = p.parse_args()
     arms = ["dense"] + [a for a in args.arms.split(",") if a != "dense"]
     runs = [(arm, int(seed)) for seed in args.seeds.split(",") for arm in arms]
     with ProcessPoolExecutor(args.jobs) as pool:
         outcomes = list(pool.map(train, *zip(*runs)))
-    records = [{"arm": arm, "seed": seed, "accuracy": curve, "bytes": wire}
-               for (arm, seed), (curve, wire) in zip(runs, outcomes)]
+    records = [{"arm": arm, "seed": seed, "accuracy": curve, "bytes": wire, **({"trace": trace} if args.trace else {})}
+               for (arm, seed), (curve, wire, trace) in zip(runs, outcomes)]
     with open(os.path.join(args.out, "records.json"), "w") as f:
         json.dump(records, f, indent=1)
         f.write("\n")
