@@ -19,7 +19,9 @@ error feedback (split_reduce's global selection, float32) is the base, and each 
   of budget 1 at 0.01), budget 4 with the ratio annealed from 0.02 to 0.005, and the output layer
   (1024 x 10) sent dense, alone and with budget 4 at 0.005;
 - round 3 (``--arms "ef 0.01" --trace``): the defaults' arithmetic with a per-step trace, to see what the
-  stall of every Top-K arm at steps 60-80 is made of.
+  stall of every Top-K arm at steps 60-80 is made of;
+- round 4: the first weight, which that trace shows starved in the first 40 steps, selected alone with
+  its own k (as the library sends a row-sparse tensor), the rest pooled: the same k in all.
 
 Each arm's bytes per rank per step are counted from the entries on split_reduce's two phases: a rank
 sends the (ranks - 1) / ranks of its k nominations that other ranks own, and a ring allgather of the kept
@@ -57,6 +59,8 @@ ARMS = {  # name: (ratio at step 0, ratio from step 60, budget, momentum correct
     "budget 4 anneal 0.02-0.005": (0.02, 0.005, 4, False, MIN_NUMEL),
     "ef 0.01 output dense": (0.01, 0.01, 1, False, 16384),
     "budget 4 at 0.005 output dense": (0.005, 0.005, 4, False, 16384),
+    # round 4: the first weight (64 x 1024, starved early in round 3's trace) selected alone with its own k
+    "first layer alone": (0.01, 0.01, 1, False, MIN_NUMEL, 0),
 }
 ANNEAL_STEPS = 60
 
@@ -111,7 +115,8 @@ def train(arm, seed):
     velocity = [torch.zeros(n) for _ in range(RANKS)]     # DGC: each rank's u
     # dense tensors above the common MIN_NUMEL are counted: a ring allreduce sends 2 (ranks - 1) / ranks of them
     curve, entries = [], 2 * (RANKS - 1) / RANKS * sum(q for q in sizes if MIN_NUMEL <= q < dense_below) * STEPS
-    trace, weights = [], [(o, o + q) for o, q in zip([0] + list(itertools.accumulate(sizes)), sizes) if q >= dense_below]
+    weights_of = [(o, o + q) for o, q in zip([0] + list(itertools.accumulate(sizes)), sizes)]
+    trace, weights = [], [(a, b) for a, b in weights_of if b - a >= dense_below]
     for step in range(STEPS):
         grads = []
         for task in tasks:
@@ -128,7 +133,17 @@ def train(arm, seed):
                 accs = [r + u for r, u in zip(residual, velocity)]
             else:
                 accs = [g + r for g, r in zip(grads, residual)]
-            update, sent, wire = exchange(accs, dense_mask, k_for(compressed, ratio_at(step, first, last)), budget)
+            ratio = ratio_at(step, first, last)
+            if len(setting) > 5:      # one parameter alone: two exchanges, each with its own k
+                alone = torch.zeros(n, dtype=torch.bool)
+                a, b = weights_of[setting[5]]
+                alone[a:b] = True
+                pooled_update, pooled_sent, wire = exchange(accs, dense_mask | alone, k_for(compressed - (b - a), ratio), budget)
+                alone_update, alone_sent, alone_wire = exchange(accs, dense_mask | ~alone, k_for(b - a, ratio), budget)
+                update, wire = torch.where(alone, alone_update, pooled_update), wire + alone_wire
+                sent = [torch.where(alone, x, y) for x, y in zip(alone_sent, pooled_sent)]
+            else:
+                update, sent, wire = exchange(accs, dense_mask, k_for(compressed, ratio), budget)
             entries += wire
             residual = [a - s for a, s in zip(accs, sent)]
             mean_grad, mean_residual, kept = sum(grads) / RANKS, sum(residual) / RANKS, (update != 0) & ~dense_mask
