@@ -30,6 +30,8 @@ offset). Tensors under 1024 elements go dense in every arm and are left out of t
 tensor an arm sends dense counts 4 bytes an element on a ring allreduce's 2 (ranks - 1) / ranks.
 
     python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2
+    python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2 --arms "ef 0.01" --trace \
+        --out bench/results/levers_emulated_mlp_np4/round3       # round 4: "first layer alone", round4
 """
 import argparse
 import itertools
@@ -46,7 +48,9 @@ from bench.tasks import Task
 from hvd_topk.core.sparsify import k_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ARMS = {  # name: (ratio at step 0, ratio from step 60, budget, momentum correction, dense below this many elements)
+# name: (ratio at step 0, ratio from step 60, budget, momentum correction, dense below this many elements[,
+# the index of a parameter selected alone with its own k])
+ARMS = {
     "dense": None,
     "ef 0.01": (0.01, 0.01, 1, False, MIN_NUMEL),
     "ef 0.02": (0.02, 0.02, 1, False, MIN_NUMEL),
