@@ -142,7 +142,8 @@ def train(arm, seed):
                 alone = torch.zeros(n, dtype=torch.bool)
                 a, b = weights_of[setting[5]]
                 alone[a:b] = True
-                pooled_update, pooled_sent, wire = exchange(accs, dense_mask | alone, k_for(compressed - (b - a), ratio), budget)
+                pooled_update, pooled_sent, wire = exchange(accs, dense_mask | alone,
+                                                            k_for(compressed - (b - a), ratio), budget)
                 alone_update, alone_sent, alone_wire = exchange(accs, dense_mask | ~alone, k_for(b - a, ratio), budget)
                 update, wire = torch.where(alone, alone_update, pooled_update), wire + alone_wire
                 sent = [torch.where(alone, x, y) for x, y in zip(alone_sent, pooled_sent)]
@@ -150,7 +151,8 @@ def train(arm, seed):
                 update, sent, wire = exchange(accs, dense_mask, k_for(compressed, ratio), budget)
             entries += wire
             residual = [a - s for a, s in zip(accs, sent)]
-            mean_grad, mean_residual, kept = sum(grads) / RANKS, sum(residual) / RANKS, (update != 0) & ~dense_mask
+            mean_grad, mean_residual = sum(grads) / RANKS, sum(residual) / RANKS
+            kept = (update != 0) & ~dense_mask
             trace.append({"share": [round(int(kept[a:b].sum()) / max(1, int(kept.sum())), 4) for a, b in weights],
                           "residual_over_grad": round(float(mean_residual.norm() / mean_grad.norm()), 4),
                           "cosine": round(float(torch.nn.functional.cosine_similarity(mean_residual, mean_grad, 0)), 4)})
