@@ -155,7 +155,7 @@ def train(arm, seed):
             kept = (update != 0) & ~dense_mask
             trace.append({"share": [round(int(kept[a:b].sum()) / max(1, int(kept.sum())), 4) for a, b in weights],
                           "residual_over_grad": round(float(mean_residual.norm() / mean_grad.norm()), 4),
-                          "cosine": round(float(torch.nn.functional.cosine_similarity(mean_residual, mean_grad, 0)), 4)})
+                          "cosine": round(float(torch.cosine_similarity(mean_residual, mean_grad, 0)), 4)})
             if correction:    # factor masking: no velocity left where the entry was sent
                 velocity = [u.masked_fill((s != 0) & ~dense_mask, 0.0) for u, s in zip(velocity, sent)]
         offset = 0
