@@ -58,13 +58,38 @@ def exchange(accs, dense_mask, k):
     return sum(sent) / len(sent), sent
 
 
-def train(arm, seed):
-    """Accuracy after every EVERY-th step of one arm and seed."""
+def emulated_ranks(seed):
+    """(each rank's task, the one model, its parameters) of ``seed``, on one thread."""
     torch.set_num_threads(1)                # one core per (arm, seed): --jobs of them run at once
     tasks = [Task("mlp", r, RANKS, seed=seed, steps=STEPS) for r in range(RANKS)]
     torch.manual_seed(seed)                 # the harness's initial weights for this seed
     model = tasks[0].build()
-    params = list(model.parameters())
+    return tasks, model, list(model.parameters())
+
+
+def rank_gradients(tasks, model, params, step):
+    """Each emulated rank's flat gradient at ``step``, from its own batch (the ranks' parameters are one)."""
+    grads = []
+    for task in tasks:
+        x, y = task.batch(step)
+        model.zero_grad()
+        task.loss(model(x), y).backward()
+        grads.append(torch.cat([q.grad.reshape(-1) for q in params]))
+    return grads
+
+
+def step_on(opt, params, update):
+    """The optimizer's step with the flat ``update`` as every parameter's gradient."""
+    offset = 0
+    for q in params:
+        q.grad = update[offset:offset + q.numel()].view_as(q).clone()
+        offset += q.numel()
+    opt.step()
+
+
+def train(arm, seed):
+    """Accuracy after every EVERY-th step of one arm and seed."""
+    tasks, model, params = emulated_ranks(seed)
     sizes = [q.numel() for q in params]
     dense_mask = torch.cat([torch.full((n,), n < MIN_NUMEL) for n in sizes])
     n, k = dense_mask.numel(), k_for(int((~dense_mask).sum()), RATIO)
@@ -77,12 +102,7 @@ def train(arm, seed):
     global_estimate = torch.zeros(n)                      # ef21: G, the same on every rank
     curve = []
     for step in range(STEPS):
-        grads = []
-        for task in tasks:
-            x, y = task.batch(step)
-            model.zero_grad()
-            task.loss(model(x), y).backward()
-            grads.append(torch.cat([q.grad.reshape(-1) for q in params]))
+        grads = rank_gradients(tasks, model, params, step)
         if arm == "dense":
             update = sum(grads) / RANKS
         elif arm == "ef":
@@ -97,11 +117,7 @@ def train(arm, seed):
             estimate = [e + s for e, s in zip(estimate, sent)]
             global_estimate = global_estimate + delta
             update = global_estimate
-        offset = 0
-        for q, size in zip(params, sizes):
-            q.grad = update[offset:offset + size].view_as(q).clone()
-            offset += size
-        opt.step()
+        step_on(opt, params, update)
         if (step + 1) % EVERY == 0:
             curve.append(tasks[0].evaluate(model)["accuracy"])
     return curve
@@ -139,13 +155,18 @@ def main():
     with ProcessPoolExecutor(args.jobs) as pool:
         curves = list(pool.map(train, *zip(*runs)))
     records = [{"arm": arm, "seed": seed, "accuracy": curve} for (arm, seed), curve in zip(runs, curves)]
-    with open(os.path.join(args.out, "records.json"), "w") as f:
+    save(args.out, records, table(records))
+
+
+def save(out, records, markdown):
+    """records.json, table.md (``markdown``) and manifest.json in ``out``; the table printed."""
+    with open(os.path.join(out, "records.json"), "w") as f:
         json.dump(records, f, indent=1)
         f.write("\n")
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(table(records))
-    write_manifest(args.out)
-    print(table(records))
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(markdown)
+    write_manifest(out)
+    print(markdown)
 
 
 if __name__ == "__main__":

@@ -35,16 +35,14 @@ tensor an arm sends dense counts 4 bytes an element on a ring allreduce's 2 (ran
 """
 import argparse
 import itertools
-import json
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from bench.manifest import write_manifest
-from bench.results.ef_variants_emulated_mlp_np4.emulate import BETA, EVERY, MIN_NUMEL, RANKS, STEPS, steps_to
-from bench.tasks import Task
+from bench.results.ef_variants_emulated_mlp_np4.emulate import (BETA, EVERY, MIN_NUMEL, RANKS, STEPS, emulated_ranks,
+                                                                rank_gradients, save, step_on, steps_to)
 from hvd_topk.core.sparsify import k_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -99,15 +97,20 @@ def exchange(accs, dense_mask, k, budget):
     return sum(sent) / len(sent), sent, share * k + share * keep
 
 
-def train(arm, seed):
+def _traced_step(grads, residual, kept, weights):
+    """One step's trace: each weight's share of the ``kept`` sparse entries, the ranks' mean residual's
+    norm over their mean gradient's, and the cosine of the two."""
+    mean_grad, mean_residual = sum(grads) / RANKS, sum(residual) / RANKS
+    return {"share": [round(int(kept[a:b].sum()) / max(1, int(kept.sum())), 4) for a, b in weights],
+            "residual_over_grad": round(float(mean_residual.norm() / mean_grad.norm()), 4),
+            "cosine": round(float(torch.cosine_similarity(mean_residual, mean_grad, 0)), 4)}
+
+
+def train(arm, seed, traced=False):
     """(accuracy after every EVERY-th step, mean bytes per rank per step, trace) of one arm and seed.
-    The trace (compressed arms, every step): each weight's share of the aggregate's sparse entries, the
+    The trace (``traced``, compressed arms, every step): each weight's share of the aggregate's sparse entries, the
     ranks' mean residual's norm over their mean gradient's, and the cosine of the two (round 3)."""
-    torch.set_num_threads(1)                # one core per (arm, seed): --jobs of them run at once
-    tasks = [Task("mlp", r, RANKS, seed=seed, steps=STEPS) for r in range(RANKS)]
-    torch.manual_seed(seed)                 # the harness's initial weights for this seed
-    model = tasks[0].build()
-    params = list(model.parameters())
+    tasks, model, params = emulated_ranks(seed)
     sizes = [q.numel() for q in params]
     lr, setting = tasks[0].recipe["lr"], ARMS[arm]
     dense_below = MIN_NUMEL if setting is None else setting[4]
@@ -122,12 +125,7 @@ def train(arm, seed):
     weights_of = [(o, o + q) for o, q in zip([0] + list(itertools.accumulate(sizes)), sizes)]
     trace, weights = [], [(a, b) for a, b in weights_of if b - a >= dense_below]
     for step in range(STEPS):
-        grads = []
-        for task in tasks:
-            x, y = task.batch(step)
-            model.zero_grad()
-            task.loss(model(x), y).backward()
-            grads.append(torch.cat([q.grad.reshape(-1) for q in params]))
+        grads = rank_gradients(tasks, model, params, step)
         if setting is None:
             update = sum(grads) / RANKS
         else:
@@ -151,18 +149,11 @@ def train(arm, seed):
                 update, sent, wire = exchange(accs, dense_mask, k_for(compressed, ratio), budget)
             entries += wire
             residual = [a - s for a, s in zip(accs, sent)]
-            mean_grad, mean_residual = sum(grads) / RANKS, sum(residual) / RANKS
-            kept = (update != 0) & ~dense_mask
-            trace.append({"share": [round(int(kept[a:b].sum()) / max(1, int(kept.sum())), 4) for a, b in weights],
-                          "residual_over_grad": round(float(mean_residual.norm() / mean_grad.norm()), 4),
-                          "cosine": round(float(torch.cosine_similarity(mean_residual, mean_grad, 0)), 4)})
+            if traced:
+                trace.append(_traced_step(grads, residual, (update != 0) & ~dense_mask, weights))
             if correction:    # factor masking: no velocity left where the entry was sent
                 velocity = [u.masked_fill((s != 0) & ~dense_mask, 0.0) for u, s in zip(velocity, sent)]
-        offset = 0
-        for q, size in zip(params, sizes):
-            q.grad = update[offset:offset + size].view_as(q).clone()
-            offset += size
-        opt.step()
+        step_on(opt, params, update)
         if (step + 1) % EVERY == 0:
             curve.append(tasks[0].evaluate(model)["accuracy"])
     return curve, 4 * entries / STEPS, trace
@@ -200,16 +191,10 @@ def main():
     arms = ["dense"] + [a for a in args.arms.split(",") if a != "dense"]
     runs = [(arm, int(seed)) for seed in args.seeds.split(",") for arm in arms]
     with ProcessPoolExecutor(args.jobs) as pool:
-        outcomes = list(pool.map(train, *zip(*runs)))
+        outcomes = list(pool.map(train, *zip(*runs), [args.trace] * len(runs)))
     records = [{"arm": arm, "seed": seed, "accuracy": curve, "bytes": wire, **({"trace": trace} if args.trace else {})}
                for (arm, seed), (curve, wire, trace) in zip(runs, outcomes)]
-    with open(os.path.join(args.out, "records.json"), "w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(table(records))
-    write_manifest(args.out)
-    print(table(records))
+    save(args.out, records, table(records))
 
 
 if __name__ == "__main__":
