@@ -16,6 +16,8 @@ DistributedOptimizer, the rest to hvd_topk's (``communication`` and its settings
 (``powersgd rN``, ``hvd_topk powersgd rN``) give PowerSGD's own (communication, min_compression_rate,
 seed, epsilon, values) to ``hvd_topk.PowerSGD``. DDP arms take none; ``ddp fp16 powersgd rN`` is torch's
 hook inside torch's ``fp16_compress_wrapper`` (its P's and Q's in float16, as hvd_topk's by default).
+``compute only`` sends nothing (each rank its own optimizer step): the compute a step's exchange adds to,
+which ``bench.report`` sets beside each arm's bytes on the link (a step's bound).
 
 Every Horovod arm names its parameters ``a<i>.<name>`` (``i``: its place in the run), so no two arms'
 collectives share a name. DDP arms wrap the model in ``DistributedDataParallel`` over the Gloo group
@@ -121,6 +123,13 @@ class Build:
                                              compression=hvd_topk.PowerSGD(rank, **low_rank), settings=settings,
                                              **keywords)
 
+    def compute_only(self):
+        """No exchange at all: each rank steps on its own gradient, so the ranks drift apart. Its step is
+        the compute every other arm's communication adds to (forward, backward, the optimizer), on the
+        same cores beside the same ranks: the bound of a step is this plus its bytes' time on the link."""
+        self.kind = "local"
+        return self.task.make_opt(self.model)
+
     def ddp(self, hook=None, state=None, one_bucket=False):
         """PyTorch DDP over torch.distributed's group, with ``hook`` (and its state) registered."""
         model_mb = sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2 ** 20
@@ -177,6 +186,7 @@ ARMS = {
     "ddp fp16 powersgd r1": lambda b: b.ddp_powersgd(1, fp16=True),
     "ddp fp16 powersgd r2": lambda b: b.ddp_powersgd(2, fp16=True),
     "ddp fp16 powersgd r4": lambda b: b.ddp_powersgd(4, fp16=True),
+    "compute only": lambda b: b.compute_only(),            # no collective: not a way to train, a bound
 }
 # the dense references of "dense final - 1 pt" / "dense + 2%", the first one a run has
 DENSE = ("horovod dense", "ddp")
@@ -204,8 +214,8 @@ def parse_arm(text):
         if not sep or not key.strip().isidentifier():
             raise ValueError(f"arm {text!r}: overrides are key=value, got {item!r}")
         overrides[key.strip()] = _value(value.strip())
-    if overrides and match.group(1).strip().startswith("ddp"):
-        raise ValueError(f"arm {text!r}: DDP arms take no overrides")
+    if overrides and match.group(1).strip().startswith(("ddp", "compute only")):
+        raise ValueError(f"arm {text!r}: DDP arms and the compute-only arm take no overrides")
     if overrides and match.group(1).strip().startswith("horovod") and set(overrides) - set(HOROVOD_ARGS):
         raise ValueError(f"arm {text!r}: horovod arms take only Horovod's arguments {HOROVOD_ARGS}")
     return match.group(1).strip(), overrides

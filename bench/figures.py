@@ -234,7 +234,7 @@ def _arm_figures(name, per_seed, record, reference):
                                  out["stats"].get("density") or topk.ratio, record["ranks"], topk.values, door,
                                  topk.bucket_cap_mb, topk.budget, topk.sync_indices)
         out.update(scheme=scheme, theoretical_bytes=theo, measured_over_theoretical=nbytes / theo if theo else None)
-    if reference and median and reference["step_ms"] and nbytes and reference["bytes"]:
+    if reference and median and reference["step_ms"] and nbytes and reference["bytes"] and out["kind"] != "local":
         out.update(speedup=reference["step_ms"] / median, bytes_vs_reference=nbytes / reference["bytes"])
     return out
 
@@ -265,9 +265,9 @@ def summarize(records, fixed_targets=()):
                               "train_s": statistics.median(h[0] for h in done) if len(done) == len(hits) else None,
                               "steps": statistics.median(h[1] for h in done) if len(done) == len(hits) else None}
         arms[name]["targets"] = reached
-    fastest = {}
+    fastest, trains = {}, [n for n in names if arms[n]["kind"] != "local"]     # compute only: trains nothing
     for tname in target_names:
-        done = [(arms[n]["targets"][tname]["train_s"], n) for n in names if arms[n]["targets"][tname]["train_s"]]
+        done = [(arms[n]["targets"][tname]["train_s"], n) for n in trains if arms[n]["targets"][tname]["train_s"]]
         fastest[tname] = min(done)[1] if done else None
     return {"setup": setup_of(records, metric), "reference": ref_name, "arms": {n: arms[n] for n in names},
             "targets": [{"name": n, "per_seed": [t[i][1] for t in per_seed_targets]} for i, n in enumerate(target_names)],

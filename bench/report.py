@@ -20,7 +20,7 @@ matplotlib.use("Agg")               # files only, no display
 import matplotlib.pyplot as plt     # noqa: E402
 
 from bench.figures import summarize  # noqa: E402
-from bench.links import HOROVOD_DEFAULT_CYCLE_MS  # noqa: E402
+from bench.links import HOROVOD_DEFAULT_CYCLE_MS, RATE_BYTES_PER_S  # noqa: E402
 
 __all__ = ["write", "table", "headline", "cycle_text", "setup_text"]
 
@@ -104,7 +104,7 @@ def table(summary, records):
         L.append(f"| {name} | {_n(a['step_ms'])} ({_n(a['step_ms_p10'])}-{_n(a['step_ms_p90'])}) | "
                  f"{_n(a['bytes'], ',.0f')} | {_n(a.get('theoretical_bytes'), ',.0f')} | {vs} | {_n(final, '.4f')} | "
                  + " | ".join(_reached(a["targets"][n]) for n in names)
-                 + f" | {'yes' if a['params_identical'] else 'NO'} |")
+                 + f" | {_same(a)} |")
     L += ["", f"Reference: {summary['reference'] or 'none (no dense arm)'}. Fastest to each target:", ""]
     L += [f"- {n}: {w or 'no arm reached it'}" for n, w in summary["fastest"].items()]
     if summary["auto"]:
@@ -114,7 +114,7 @@ def table(summary, records):
         L += ["", f"hvd_topk auto against the fastest fixed transport ({a['fastest_fixed']}): "
               f"{100 * a['vs_fastest']:+.1f}%; against dense: {dense}; target (within 5% of "
               f"{'dense' if s['link'] == 'unlimited' else 'the fastest'}): {verdict}."]
-    L += _stats_lines(summary) + ["", f"Curves (steps: {metric}, seed {s['seeds'][0]}):", ""]
+    L += _bound_lines(summary) + _stats_lines(summary) + ["", f"Curves (steps: {metric}, seed {s['seeds'][0]}):", ""]
     for name, arm in records[0]["arms"].items():
         L.append(f"- {name}: " + ", ".join(f"{c[0]}: {c[3] if metric == 'loss' else c[2]:.3f}" for c in arm["curve"]))
     load = summary.get("load_avg") or []
@@ -122,6 +122,32 @@ def table(summary, records):
         L += ["", f"Load average (1 min) during the job: {min(load):.1f}-{max(load):.1f} ({len(load)} samples); "
               f"seeds {', '.join(f'{j:.0f}' for j in s['seed_s'] if j)} s."]
     return "\n".join(L) + "\n"
+
+
+def _same(arm):
+    """The "same params" cell; the compute-only arm's ranks drift apart by design."""
+    if arm["kind"] == "local":
+        return "- (no exchange)"
+    return "yes" if arm["params_identical"] else "NO"
+
+
+def _bound_lines(summary):
+    """Each arm's step over its bound, where the run has the ``compute only`` arm and a limited link: that
+    arm's step plus the seconds the arm's bytes take on one link (bytes per rank x the ranks behind that
+    link / its rate: a host's eth0, or the one loopback every rank shares)."""
+    s, local = summary["setup"], summary["arms"].get("compute only")
+    rate = RATE_BYTES_PER_S.get(s["link"])
+    if not rate or not local or not local["step_ms"]:
+        return []
+    behind = s["ranks"] / (s["hosts"] or 1)
+    lines = ["", f"Step over its bound: the compute-only step ({local['step_ms']:.1f} ms) plus the arm's bytes on "
+             f"one {'host' if s['hosts'] else 'loopback'}'s {s['link']} link ({behind:g} ranks' bytes per rank):", ""]
+    for name, a in summary["arms"].items():
+        if a["kind"] != "local" and a["step_ms"] and a["bytes"]:
+            link_ms = 1e3 * a["bytes"] * behind / rate
+            lines.append(f"- {name}: {a['step_ms']:.1f} / ({local['step_ms']:.1f} + {link_ms:.1f}) ms = "
+                         f"{a['step_ms'] / (local['step_ms'] + link_ms):.2f}x")
+    return lines
 
 
 def _stats_lines(summary):

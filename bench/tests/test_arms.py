@@ -35,7 +35,7 @@ def test_every_arm_builds_and_steps(one_rank, name):
         warnings.simplefilter("ignore")        # hierarchical on one host: flat, with a warning
         arm = build_arm(name, 7, task, ratio=0.01)
     assert all(torch.equal(p, q) for p, q in zip(arm.model.parameters(), reference.parameters()))
-    assert arm.kind == ("ddp" if name.startswith("ddp") else "horovod")
+    assert arm.kind == ("ddp" if name.startswith("ddp") else "local" if name == "compute only" else "horovod")
     for step in range(3):
         x, y = task.batch(step)
         arm.opt.zero_grad()
@@ -91,7 +91,8 @@ def test_names_and_overrides_are_read():
 
 
 @pytest.mark.parametrize("text, match", [
-    ("horovod fp8", "must be one of"), ("hvd_topk[ratio]", "key=value"), ("ddp[hook=x]", "DDP arms take no overrides"),
+    ("horovod fp8", "must be one of"), ("hvd_topk[ratio]", "key=value"),
+    ("ddp[hook=x]", "DDP arms and the compute-only arm take no overrides"), ("compute only[ratio=0.1]", "no overrides"),
     ("horovod dense[ratio=0.1]", "only Horovod's arguments"),
     ("hvd_topk[1x=2]", "key=value"), ("topkef[budget=2", "must be one of"),
 ])

@@ -46,6 +46,20 @@ def test_headline_is_what_the_results_page_reads(folder):
     assert checked["rows"][0]["setup"] == "cnn, 2 ranks, 100mbit loopback, cycle 1 ms (Horovod's default)"
 
 
+def test_each_arm_over_its_bound_beside_the_compute_only_arm(tmp_path):
+    """2 hosts x 2 ranks at 100 Mbit/s: topkef's 500 ms step, 250 kB per rank (500 kB on a host's link:
+    40 ms), against the compute-only step of 300 ms: 500 / 340 = 1.47x; no bound on an unlimited link."""
+    arms = {"compute only": _arm([[20, 6.0, 0.5, 1.0]], step_s=[0.3] * 3, nbytes=[10.0] * 3, kind="local"),
+            "topkef": _arm([[20, 10.0, 0.9, 0.5]], step_s=[0.5] * 3, nbytes=[250e3] * 3)}
+    record = dict(_record(0, arms), ranks=4, hosts=2, iface="eth0")
+    report.write(str(tmp_path), [record], "cmd")
+    text = (tmp_path / "table.md").read_text()
+    assert "- topkef: 500.0 / (300.0 + 40.0) ms = 1.47x" in text, text
+    assert "one host's 100mbit link (2 ranks' bytes per rank)" in text and "| - (no exchange) |" in text
+    report.write(str(tmp_path / "fast"), [dict(record, link="unlimited")], "cmd")
+    assert "over its bound" not in (tmp_path / "fast" / "table.md").read_text()
+
+
 def test_headline_without_a_dense_arm_gives_each_arms_own_figures(tmp_path):
     records = [_record(0, {"topkef": _arm([[20, 10.0, 0.93, 0.5]])})]
     report.write(str(tmp_path), records, "cmd", title="one arm", page="docs/benchmarks.md")
