@@ -22,6 +22,8 @@ error feedback (split_reduce's global selection, float32) is the base, and each 
   stall of every Top-K arm at steps 60-80 is made of;
 - round 4: the first weight, which that trace shows starved in the first 40 steps, selected alone with
   its own k (as the library sends a row-sparse tensor), the rest pooled: the same k in all.
+- round 5: the optimizer's momentum, the same bytes as the base: 0.8 and 0.7 instead of the task's 0.9,
+  and Nesterov's at 0.9 (``OPTIMIZER``); dense at 0.8 beside them.
 
 Each arm's bytes per rank per step are counted from the entries on split_reduce's two phases: a rank
 sends the (ranks - 1) / ranks of its k nominations that other ranks own, and a ring allgather of the kept
@@ -32,6 +34,8 @@ tensor an arm sends dense counts 4 bytes an element on a ring allreduce's 2 (ran
     python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2
     python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2 --arms "ef 0.01" --trace \
         --out bench/results/levers_emulated_mlp_np4/round3       # round 4: "first layer alone", round4
+    python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2 --arms "ef 0.01 momentum 0.8,\
+ef 0.01 momentum 0.7,ef 0.01 nesterov,dense momentum 0.8" --out bench/results/levers_emulated_mlp_np4/round5
 """
 import argparse
 import itertools
@@ -63,7 +67,17 @@ ARMS = {
     "budget 4 at 0.005 output dense": (0.005, 0.005, 4, False, 16384),
     # round 4: the first weight (64 x 1024, starved early in round 3's trace) selected alone with its own k
     "first layer alone": (0.01, 0.01, 1, False, MIN_NUMEL, 0),
+    # round 5: the optimizer's momentum (``OPTIMIZER``), Top-K's and dense's alike
+    "ef 0.01 momentum 0.8": (0.01, 0.01, 1, False, MIN_NUMEL),
+    "ef 0.01 momentum 0.7": (0.01, 0.01, 1, False, MIN_NUMEL),
+    "ef 0.01 nesterov": (0.01, 0.01, 1, False, MIN_NUMEL),
+    "dense momentum 0.8": None,
 }
+# round 5: the SGD arguments an arm changes (the task's recipe: momentum 0.9). Error feedback delays an
+# entry until it is sent, and delays act as momentum of their own (Mitliagkas et al., "Asynchrony begets
+# momentum", 2016): does less explicit momentum, or Nesterov's, take Top-K to the target sooner?
+OPTIMIZER = {"ef 0.01 momentum 0.8": {"momentum": 0.8}, "ef 0.01 momentum 0.7": {"momentum": 0.7},
+             "ef 0.01 nesterov": {"nesterov": True}, "dense momentum 0.8": {"momentum": 0.8}}
 ANNEAL_STEPS = 60
 
 
@@ -117,7 +131,8 @@ def train(arm, seed, traced=False):
     dense_mask = torch.cat([torch.full((n,), n < dense_below) for n in sizes])
     n, compressed = dense_mask.numel(), int((~dense_mask).sum())
     correction = setting is not None and setting[3]
-    opt = torch.optim.SGD(params, lr=lr) if correction else torch.optim.SGD(params, lr=lr, momentum=BETA)
+    opt = (torch.optim.SGD(params, lr=lr) if correction
+           else torch.optim.SGD(params, lr=lr, **{"momentum": BETA, **OPTIMIZER.get(arm, {})}))
     residual = [torch.zeros(n) for _ in range(RANKS)]     # each rank's v (DGC) or acc - sent (EF)
     velocity = [torch.zeros(n) for _ in range(RANKS)]     # DGC: each rank's u
     # dense tensors above the common MIN_NUMEL are counted: a ring allreduce sends 2 (ranks - 1) / ranks of them
