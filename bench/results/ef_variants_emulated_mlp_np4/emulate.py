@@ -159,7 +159,8 @@ def main():
 
 
 def save(out, records, markdown):
-    """records.json, table.md (``markdown``) and manifest.json in ``out``; the table printed."""
+    """records.json, table.md (``markdown``) and manifest.json in ``out`` (made if new); the table printed."""
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "records.json"), "w") as f:
         json.dump(records, f, indent=1)
         f.write("\n")
