@@ -24,6 +24,7 @@ error feedback (split_reduce's global selection, float32) is the base, and each 
   its own k (as the library sends a row-sparse tensor), the rest pooled: the same k in all.
 - round 5: the optimizer's momentum, the same bytes as the base: 0.8 and 0.7 instead of the task's 0.9,
   and Nesterov's at 0.9 (``OPTIMIZER``); dense at 0.8 beside them.
+- round 6: Nesterov's momentum for dense, and with budget 4 at 0.005 and the annealed ratio.
 
 Each arm's bytes per rank per step are counted from the entries on split_reduce's two phases: a rank
 sends the (ranks - 1) / ranks of its k nominations that other ranks own, and a ring allgather of the kept
@@ -36,6 +37,8 @@ tensor an arm sends dense counts 4 bytes an element on a ring allreduce's 2 (ran
         --out bench/results/levers_emulated_mlp_np4/round3       # round 4: "first layer alone", round4
     python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2 --arms "ef 0.01 momentum 0.8,\
 ef 0.01 momentum 0.7,ef 0.01 nesterov,dense momentum 0.8" --out bench/results/levers_emulated_mlp_np4/round5
+    python -m bench.results.levers_emulated_mlp_np4.emulate --seeds 0,1,2 --jobs 2 --arms "dense nesterov,\
+budget 4 at 0.005 nesterov,anneal nesterov" --out bench/results/levers_emulated_mlp_np4/round6
 """
 import argparse
 import itertools
@@ -72,12 +75,18 @@ ARMS = {
     "ef 0.01 momentum 0.7": (0.01, 0.01, 1, False, MIN_NUMEL),
     "ef 0.01 nesterov": (0.01, 0.01, 1, False, MIN_NUMEL),
     "dense momentum 0.8": None,
+    # round 6: Nesterov's momentum, which round 5 found ahead, for dense too and with the two levers of 1.40x
+    "dense nesterov": None,
+    "budget 4 at 0.005 nesterov": (0.005, 0.005, 4, False, MIN_NUMEL),
+    "anneal nesterov": (0.04, 0.01, 1, False, MIN_NUMEL),
 }
 # round 5: the SGD arguments an arm changes (the task's recipe: momentum 0.9). Error feedback delays an
 # entry until it is sent, and delays act as momentum of their own (Mitliagkas et al., "Asynchrony begets
 # momentum", 2016): does less explicit momentum, or Nesterov's, take Top-K to the target sooner?
 OPTIMIZER = {"ef 0.01 momentum 0.8": {"momentum": 0.8}, "ef 0.01 momentum 0.7": {"momentum": 0.7},
-             "ef 0.01 nesterov": {"nesterov": True}, "dense momentum 0.8": {"momentum": 0.8}}
+             "ef 0.01 nesterov": {"nesterov": True}, "dense momentum 0.8": {"momentum": 0.8},
+             "dense nesterov": {"nesterov": True}, "budget 4 at 0.005 nesterov": {"nesterov": True},
+             "anneal nesterov": {"nesterov": True}}
 ANNEAL_STEPS = 60
 
 
