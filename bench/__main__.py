@@ -77,7 +77,8 @@ def parser():
     r.add_argument("--batch-size", type=int, default=None, help="per rank (default: the task's, 16)")
     r.add_argument("--ratio", type=float, default=0.01, help="Top-K ratio of the topkef and hvd_topk arms")
     r.add_argument("--min-numel", type=int, default=None, help="TopKEF's min_numel (default: its own, 1024)")
-    r.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None, help="instead of the task's")
+    r.add_argument("--optimizer", choices=("sgd", "nesterov", "adam", "adamw"), default=None,
+                   help="instead of the task's (nesterov: SGD with Nesterov's momentum)")
     r.add_argument("--lr", type=float, default=None, help="instead of the task's")
     r.add_argument("--non-iid", action="store_true", help="label shards (LM: text slices) per rank")
     r.add_argument("--cycle-ms", type=float, default=None, help="HOROVOD_CYCLE_TIME (default: Horovod's, 1 ms)")

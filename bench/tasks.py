@@ -185,7 +185,8 @@ class Task:
         batch_size: samples (LM: windows) per rank per step; None: the task's own (16).
         steps: the run's length, for the LM's cosine schedule.
         non_iid: label shards (LM: text slices) per rank instead of IID samples.
-        optimizer, lr: the recipe's optimizer (``sgd``, ``adam``, ``adamw``) and learning rate instead.
+        optimizer, lr: the recipe's optimizer (``sgd``, ``nesterov``: SGD with Nesterov's momentum,
+            ``adam``, ``adamw``) and learning rate instead.
 
     Example:
         >>> task = Task("cnn", rank=0, size=2)
@@ -225,8 +226,9 @@ class Task:
         decay = [q for q in model.parameters() if q.dim() >= 2]
         groups = [{"params": decay, "weight_decay": r.get("weight_decay", 0.0)},
                   {"params": [q for q in model.parameters() if q.dim() < 2], "weight_decay": 0.0}]
-        if r["optimizer"] == "sgd":
-            return torch.optim.SGD(groups, lr=r["lr"], momentum=r.get("momentum", 0.9))
+        if r["optimizer"] in ("sgd", "nesterov"):
+            return torch.optim.SGD(groups, lr=r["lr"], momentum=r.get("momentum", 0.9),
+                                   nesterov=r["optimizer"] == "nesterov")
         kind = torch.optim.AdamW if r["optimizer"] == "adamw" else torch.optim.Adam
         return kind(groups, lr=r["lr"], betas=r.get("betas", (0.9, 0.999)))
 

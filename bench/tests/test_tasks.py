@@ -102,6 +102,10 @@ def test_recipe_overrides():
     assert isinstance(opt, torch.optim.Adam) and opt.param_groups[0]["lr"] == 1e-3
     lm_opt = Task("lm-small", 0, 2).make_opt(Task("lm-small", 0, 2).build())
     assert isinstance(lm_opt, torch.optim.AdamW) and [g["weight_decay"] for g in lm_opt.param_groups] == [0.1, 0.0]
+    nesterov = Task("mlp", 0, 2, optimizer="nesterov").make_opt(Task("mlp", 0, 2).build())
+    assert isinstance(nesterov, torch.optim.SGD) and nesterov.param_groups[0]["nesterov"]
+    assert nesterov.param_groups[0]["momentum"] == 0.9 and nesterov.param_groups[0]["lr"] == 0.05
+    assert not Task("mlp", 0, 2).make_opt(Task("mlp", 0, 2).build()).param_groups[0]["nesterov"]
 
 
 def test_embedding_gradient_is_dense_and_mostly_zero(built):
