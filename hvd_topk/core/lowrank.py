@@ -160,9 +160,10 @@ def warm_start(stored, key, columns, rank, seed, like):
 
 
 # Why the products are written transposed, (Q^T M^T)^T and (P^T M)^T: they are M Q and M^T P, the same
-# sums of products in another order, and torch's CPU matrix multiply takes 2-3x and 6-14x less time for
-# them with M an n x m view and r = 4 columns (one thread: M^T P 4.5 against 0.5 ms at 65536 x 32, 56
-# against 10 ms at 2048 x 3072; M Q 3.7 against 2.1 ms). torch's hook writes M^T P as it reads.
+# sums of products in another order, and torch's CPU matrix multiply takes 1.8-2.9x and 5.6-14x less time
+# for them with M an n x m view and r = 4 columns (one thread: M^T P 6.2 against 0.84 ms at 65536 x 32, 56
+# against 10 ms at 2048 x 3072; M Q 4.6 against 2.1 ms at 65536 x 32; docs/studies/2026-11-low-rank.md).
+# torch's hook writes M^T P as it reads.
 def start_power_iteration(matrix, q, epsilon=0.0):
     """(the warm start Q orthogonalized, this rank's P_i = M_i Q): the first half of the step.
 
