@@ -23,8 +23,8 @@ import torch
 from .validate import check_int, check_number
 
 __all__ = ["MIN_COMPRESSION_RATE", "matrix_shape", "compressed_rank", "orthogonalize", "warm_start_seed", "initial_q",
-           "warm_start", "start_power_iteration", "finish_power_iteration", "decompress", "next_warm_start",
-           "kept_energy"]
+           "warm_start", "m_times_q", "mt_times_p", "start_power_iteration", "finish_power_iteration", "decompress",
+           "next_warm_start", "kept_energy"]
 
 # torch's min_compression_rate: a tensor is compressed only if it shrinks more than twofold, since
 # the two matrix products and the second round trip cost more than they save below that.
@@ -159,11 +159,19 @@ def warm_start(stored, key, columns, rank, seed, like):
     return stored.to(device=like.device, dtype=like.dtype)
 
 
-# Why the products are written transposed, (Q^T M^T)^T and (P^T M)^T: they are M Q and M^T P, the same
-# sums of products in another order, and torch's CPU matrix multiply takes 1.8-2.9x and 5.6-14x less time
-# for them with M an n x m view and r = 4 columns (one thread: M^T P 6.2 against 0.84 ms at 65536 x 32, 56
-# against 10 ms at 2048 x 3072; M Q 4.6 against 2.1 ms at 65536 x 32; docs/studies/2026-11-low-rank.md).
-# torch's hook writes M^T P as it reads.
+def m_times_q(matrix, q):
+    """M Q (n x r), written (Q^T M^T)^T: the same sums of products in another order, which torch's CPU
+    matrix multiply runs 1.8-2.9x faster at r = 4 (4.6 against 2.1 ms at 65536 x 32, one thread;
+    docs/studies/2026-11-low-rank.md). ``hvd_topk.auto`` times this very product."""
+    return (q.T @ matrix.T).T
+
+
+def mt_times_p(matrix, p):
+    """M^T P (m x r), written (P^T M)^T, as ``m_times_q``: 5.6-14x faster (6.2 against 0.84 ms at
+    65536 x 32, 56 against 10 ms at 2048 x 3072). torch's hook writes it as it reads."""
+    return (p.T @ matrix).T
+
+
 def start_power_iteration(matrix, q, epsilon=0.0):
     """(the warm start Q orthogonalized, this rank's P_i = M_i Q): the first half of the step.
 
@@ -173,13 +181,13 @@ def start_power_iteration(matrix, q, epsilon=0.0):
         torch.Size([3, 2])
     """
     q = orthogonalize(q, epsilon)
-    return q, (q.T @ matrix.T).T
+    return q, m_times_q(matrix, q)
 
 
 def finish_power_iteration(matrix, p_sum, epsilon=0.0):
     """(P: the ranks' summed P orthogonalized, this rank's Q_i = M_i^T P): the second half."""
     p = orthogonalize(p_sum, epsilon)
-    return p, (p.T @ matrix).T
+    return p, mt_times_p(matrix, p)
 
 
 def decompress(p, q_sum, ranks, average):

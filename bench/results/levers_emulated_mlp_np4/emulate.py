@@ -21,9 +21,9 @@ error feedback (split_reduce's global selection, float32) is the base, and each 
 - round 3 (``--arms "ef 0.01" --trace``): the defaults' arithmetic with a per-step trace, to see what the
   stall of every Top-K arm at steps 60-80 is made of;
 - round 4: the first weight, which that trace shows starved in the first 40 steps, selected alone with
-  its own k (as the library sends a row-sparse tensor), the rest pooled: the same k in all.
+  its own k (as the library sends a row-sparse tensor), the rest pooled: the same k in all;
 - round 5: the optimizer's momentum, the same bytes as the base: 0.8 and 0.7 instead of the task's 0.9,
-  and Nesterov's at 0.9 (``OPTIMIZER``); dense at 0.8 beside them.
+  and Nesterov's at 0.9 (``OPTIMIZER``); dense at 0.8 beside them;
 - round 6: Nesterov's momentum for dense, and with budget 4 at 0.005 and the annealed ratio.
 
 Each arm's bytes per rank per step are counted from the entries on split_reduce's two phases: a rank
@@ -148,6 +148,10 @@ def train(arm, seed, traced=False):
     curve, entries = [], 2 * (RANKS - 1) / RANKS * sum(q for q in sizes if MIN_NUMEL <= q < dense_below) * STEPS
     weights_of = [(o, o + q) for o, q in zip([0] + list(itertools.accumulate(sizes)), sizes)]
     trace, weights = [], [(a, b) for a, b in weights_of if b - a >= dense_below]
+    alone = None                              # the parameter selected alone with its own k, as a mask
+    if setting is not None and len(setting) > 5:
+        alone = torch.zeros(n, dtype=torch.bool)
+        alone[slice(*weights_of[setting[5]])] = True
     for step in range(STEPS):
         grads = rank_gradients(tasks, model, params, step)
         if setting is None:
@@ -160,13 +164,11 @@ def train(arm, seed, traced=False):
             else:
                 accs = [g + r for g, r in zip(grads, residual)]
             ratio = ratio_at(step, first, last)
-            if len(setting) > 5:      # one parameter alone: two exchanges, each with its own k
-                alone = torch.zeros(n, dtype=torch.bool)
-                a, b = weights_of[setting[5]]
-                alone[a:b] = True
+            if alone is not None:     # one parameter alone: two exchanges, each with its own k
+                size = int(alone.sum())
                 pooled_update, pooled_sent, wire = exchange(accs, dense_mask | alone,
-                                                            k_for(compressed - (b - a), ratio), budget)
-                alone_update, alone_sent, alone_wire = exchange(accs, dense_mask | ~alone, k_for(b - a, ratio), budget)
+                                                            k_for(compressed - size, ratio), budget)
+                alone_update, alone_sent, alone_wire = exchange(accs, dense_mask | ~alone, k_for(size, ratio), budget)
                 update, wire = torch.where(alone, alone_update, pooled_update), wire + alone_wire
                 sent = [torch.where(alone, x, y) for x, y in zip(alone_sent, pooled_sent)]
             else:
