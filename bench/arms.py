@@ -27,8 +27,7 @@ issued from the autograd thread in different orders on different ranks ("Receive
 match expected size"); with one bucket there is one chain of collectives per step, in the same order
 on every rank. PowerSGD's first 2 steps are dense (``START_POWERSGD_ITER``, the fewest torch allows
 with error feedback), so runs warm every arm up for more steps than that; ``hvd_topk powersgd rN``
-takes the same 2 dense steps (``dense_steps``), and ``powersgd rN`` (stock Horovod, which has no such
-setting) compresses from the first.
+and ``powersgd rN`` take the same 2 dense steps (``PowerSGD(dense_steps=...)``, through both doors).
 """
 import re
 
@@ -43,7 +42,7 @@ __all__ = ["ARMS", "Arm", "Build", "parse_arm", "START_POWERSGD_ITER", "TOPKEF_A
 
 START_POWERSGD_ITER = 2
 TOPKEF_ARGS = ("ratio", "min_numel", "budget", "sync_indices", "values", "bucket_cap_mb")
-POWERSGD_ARGS = ("communication", "min_compression_rate", "seed", "epsilon", "values")
+POWERSGD_ARGS = ("communication", "min_compression_rate", "seed", "epsilon", "values", "dense_steps")
 HOROVOD_ARGS = ("groups", "num_groups", "backward_passes_per_step", "sparse_as_dense")
 # arms whose transport needs Horovod's process sets of the hosts (hvd_topk.host_process_sets)
 HOST_SETS = ("hierarchical", "auto")
@@ -102,8 +101,10 @@ class Build:
                                              compression=hvd_topk.TopKEF(**topk), **keywords)
 
     def powersgd(self, rank):
-        """Stock Horovod with ``hvd_topk.PowerSGD`` at ``rank`` (the name's PowerSGD and Horovod arguments)."""
-        low_rank = {k: v for k, v in self.overrides.items() if k in POWERSGD_ARGS}
+        """Stock Horovod with ``hvd_topk.PowerSGD`` at ``rank``, its first ``START_POWERSGD_ITER`` steps dense
+        as torch's hook's (the name's PowerSGD and Horovod arguments)."""
+        low_rank = {"dense_steps": START_POWERSGD_ITER,
+                    **{k: v for k, v in self.overrides.items() if k in POWERSGD_ARGS}}
         horovod_args = {k: v for k, v in self.overrides.items() if k in HOROVOD_ARGS}
         unknown = set(self.overrides) - set(low_rank) - set(horovod_args)
         if unknown:
@@ -115,10 +116,11 @@ class Build:
         """``hvd_topk.DistributedOptimizer`` with ``hvd_topk.PowerSGD`` at ``rank``, its first
         ``START_POWERSGD_ITER`` steps dense as torch's hook's; the name's PowerSGD arguments go to
         PowerSGD, Horovod's to the optimizer, the rest to its settings."""
-        low_rank = {k: v for k, v in self.overrides.items() if k in POWERSGD_ARGS}
+        low_rank = {"dense_steps": START_POWERSGD_ITER,
+                    **{k: v for k, v in self.overrides.items() if k in POWERSGD_ARGS}}
         keywords = {k: v for k, v in self.overrides.items() if k in HOROVOD_ARGS}
         rest = {k: v for k, v in self.overrides.items() if k not in POWERSGD_ARGS + HOROVOD_ARGS}
-        settings = hvd_topk.OptimizerSettings(**{"dense_steps": START_POWERSGD_ITER, **rest})
+        settings = hvd_topk.OptimizerSettings(**rest)
         return hvd_topk.DistributedOptimizer(self.task.make_opt(self.model), named_parameters=self.named,
                                              compression=hvd_topk.PowerSGD(rank, **low_rank), settings=settings,
                                              **keywords)

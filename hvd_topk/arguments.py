@@ -56,7 +56,8 @@ def check_lowrank_settings(settings):
             "communication": check_choice("communication", settings.communication, LOWRANK_COMMUNICATIONS),
             "seed": check_int("seed", settings.seed),
             "epsilon": check_number("epsilon", settings.epsilon, low=0),
-            "values": check_choice("values", settings.values, LOWRANK_VALUES)}
+            "values": check_choice("values", settings.values, LOWRANK_VALUES),
+            "dense_steps": check_int("dense_steps", settings.dense_steps)}
 
 
 def check_lowrank_use(settings, communication, compression_kind):
@@ -81,6 +82,17 @@ def check_lowrank_use(settings, communication, compression_kind):
                          "(DGC's momentum correction, warm-up and selection, the adaptive ratio, the update's "
                          "error feedback, AR-Topk's leader, the values' dtype); leave them at their defaults "
                          "(dense_steps and clip_grad_norm apply to low rank too)")
+
+
+def dense_steps_of(settings, compression):
+    """The optimizer's dense first steps: ``OptimizerSettings.dense_steps`` or the compression's own
+    (``PowerSGDSettings.dense_steps``, as the stock door takes them), whichever is set; ValueError
+    where both are set and differ (no silent choice between two numbers the user gave)."""
+    own, theirs = settings.dense_steps, getattr(compression, "dense_steps", 0)
+    if own and theirs and own != theirs:
+        raise ValueError(f"dense_steps must be set once: OptimizerSettings(dense_steps={own}) and the "
+                         f"compression's dense_steps={theirs} differ (set one, or both alike)")
+    return own or theirs
 
 
 def topk_only_settings(settings):

@@ -13,7 +13,7 @@ from horovod.torch import mpi_ops
 from horovod.torch.mpi_ops import Average
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .arguments import check_lowrank_use, check_optimizer, selection_of, topk_only_settings
+from .arguments import check_lowrank_use, check_optimizer, dense_steps_of, selection_of, topk_only_settings
 from .auto import DEFAULT_WEIGHT, tuner_for
 from .auto.quality import QUALITY_WEIGHT
 from .compression import TopKEF
@@ -85,6 +85,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
         raise ValueError(f"compression must be TopKEF or PowerSGD, the class or an instance, got {compression!r}")
     communication = chosen.communication if communication is None else communication
     check_lowrank_use(settings, communication, chosen.kind)
+    settings = dataclasses.replace(settings, dense_steps=dense_steps_of(settings, chosen))
     # the optimizer's or TopKEF's selection, else the default of this communication (low rank selects nothing)
     settings = dataclasses.replace(settings, selection=selection_of(
         [settings.selection, getattr(chosen, "selection", None)],

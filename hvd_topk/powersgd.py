@@ -21,8 +21,10 @@ a check that every rank keyed the gradient alike), as ``TopKEF``'s split_reduce 
    M - P Q^T, committed at the step's end if every rank was finite.
 
 Tensors that would not shrink twofold (torch's ``min_compression_rate``), 1-D tensors and non-floating
-ones go to Horovod's allreduce as they are. The machinery every door shares (keys, the pending step,
-the NaN rule, the shutdown on a mismatch, the class form): ``hvd_topk.step.compressor_door``.
+ones go to Horovod's allreduce as they are; so does every gradient of the first ``dense_steps`` steps,
+as torch's hook sends them before its ``start_powerSGD_iter`` (at least 2 where it keeps residuals).
+The machinery every door shares (keys, the pending step, the NaN rule, the shutdown on a mismatch, the
+class form): ``hvd_topk.step.compressor_door``.
 """
 import copy
 import itertools
@@ -57,6 +59,13 @@ class _Ctx(NamedTuple):
     started: object = None                     # the low-rank transport in flight
 
 
+def _compresses(door, tensor):
+    """Whether ``tensor`` leaves ``door`` as P and Q this step (past the dense steps, and shrinking twofold)."""
+    s = door.settings
+    past_dense = not s.dense_steps or door.steps.agreed(f"{door.tag}.steps", door.process_set) >= s.dense_steps
+    return past_dense and compressed_rank(tuple(tensor.shape), s.rank, s.min_compression_rate)
+
+
 class PowerSGD(CompressorDoor):
     """PowerSGD (Vogels et al., NeurIPS'19; torch's ``powerSGD_hook``) for stock ``hvd.DistributedOptimizer``.
 
@@ -75,6 +84,7 @@ class PowerSGD(CompressorDoor):
         min_compression_rate: compress a tensor only if it shrinks more than this, > 0 (torch's 2).
         seed, epsilon: the seed of every tensor's first Q (>= 0); added to each column's norm (>= 0).
         values: ``'fp32'`` (as torch's hook) or ``'fp16'`` (a float32 gradient's P's and Q's in 16 bits).
+        dense_steps: the first steps go to Horovod's allreduce uncompressed, >= 0 (torch's ``start_powerSGD_iter``).
 
     Example:
         >>> import horovod.torch as hvd, torch
@@ -92,8 +102,9 @@ class PowerSGD(CompressorDoor):
     settings = PowerSGDSettings()    # the class's own: what ``compression=PowerSGD`` means
 
     def __init__(self, rank=4, named_parameters=None, process_set=mpi_ops.global_process_set,
-                 communication="lowrank", min_compression_rate=2.0, seed=0, epsilon=0.0, values="fp32"):
-        settings = PowerSGDSettings(rank, min_compression_rate, communication, seed, epsilon, values)
+                 communication="lowrank", min_compression_rate=2.0, seed=0, epsilon=0.0, values="fp32",
+                 dense_steps=0):
+        settings = PowerSGDSettings(rank, min_compression_rate, communication, seed, epsilon, values, dense_steps)
         check_hierarchical(settings.communication, process_set)
         super().__init__(settings, named_parameters, process_set)
         self.hint = _MISMATCH_HINT if named_parameters is None else ""
@@ -119,8 +130,7 @@ class PowerSGD(CompressorDoor):
         if not tensor.is_floating_point():
             return tensor, _Ctx(dense=True)
         key = self._next_key(tensor)
-        s = self.settings
-        if not compressed_rank(tuple(tensor.shape), s.rank, s.min_compression_rate):
+        if not _compresses(self, tensor):
             self.step_stats.add_sent(tensor.numel() * tensor.element_size(), 0.0, 0.0, dense=True)
             return tensor, _Ctx(dense=True, key=key, shape=tuple(tensor.shape))
         transport = self.transport
@@ -139,8 +149,7 @@ class PowerSGD(CompressorDoor):
             after_backward(lambda: self._transport.drain(time.monotonic() + DRAIN_S))
 
     def _failed_payload(self, tensor):
-        compressed = compressed_rank(tuple(tensor.shape), self.settings.rank, self.settings.min_compression_rate)
-        return super()._failed_payload(tensor) if compressed else tensor
+        return super()._failed_payload(tensor) if _compresses(self, tensor) else tensor
 
     def _receive(self, reduced, ctx):
         self.step_stats.syncing()
@@ -150,6 +159,7 @@ class PowerSGD(CompressorDoor):
         return outcome.aggregate, outcome.residual
 
     def _forget(self):
+        self.steps.reset()                    # a rank that joined has counted no step: all agree again
         if self._transport is not None:
             self._transport.forget()
 

@@ -92,6 +92,9 @@ class PowerSGDSettings(CompressorSettings):
             step's sums, and a sum that overflowed sent again in float32; one more allreduce per step
             where some tensors go dense). Error feedback is exact either way
             (``hvd_topk.transports.lowrank_wire``).
+        dense_steps: the first steps go to Horovod's allreduce as they are, int >= 0 (torch's
+            ``start_powerSGD_iter``; 0: compressed from the first step). The optimizer door's
+            ``OptimizerSettings.dense_steps`` says the same; set both, they must agree.
 
     Example:
         >>> PowerSGDSettings(rank=2).kind
@@ -104,6 +107,7 @@ class PowerSGDSettings(CompressorSettings):
     seed: int = 0
     epsilon: float = 0.0
     values: str = "fp32"
+    dense_steps: int = 0
 
     def __post_init__(self):
         for name, value in check_lowrank_settings(self).items():

@@ -26,9 +26,11 @@ BOTH = ("opt", "stock")
 NAN = job(2, "powersgd.py", "--doors", "opt,stock,dense", "--nan-rank", 1, "--nan-step", 3)
 SUM3 = job(3, "powersgd.py", "--op", "sum", "--nan-rank", 2, "--nan-step", 2)
 ALL_DENSE = job(2, "powersgd.py", "--doors", "opt,stock,dense", "--rank", 64, "--steps", 4)
-STRAIGHT = job(2, "powersgd.py")
-SAVED = job(2, "powersgd.py", "--save-at", 2)
-RESUMED = job(2, "powersgd.py", "--resume", OutOf(SAVED, "opt.pt"))
+DENSE_FIRST = job(2, "powersgd.py", "--doors", "opt,stock,dense", "--dense-steps", 2, "--steps", 2)
+# 3 dense steps, saved after the second: a resumed door that forgot its steps would compress one too soon
+STRAIGHT = job(2, "powersgd.py", "--dense-steps", 3)
+SAVED = job(2, "powersgd.py", "--dense-steps", 3, "--save-at", 1)
+RESUMED = job(2, "powersgd.py", "--dense-steps", 3, "--resume", OutOf(SAVED, "opt.pt"))
 # jobs that register the process set {0, 2} at hvd.init share a launch of their own
 IN_SET = job(3, "powersgd.py", "--set", "0,2", "--steps", 4, alone="set {0, 2} of 3")
 NOT_GIVEN = job(3, "powersgd.py", "--set", "0,2", "--doors", "stock", "--stock-form", "class", "--steps", 3,
@@ -96,15 +98,30 @@ def test_a_rank_where_every_tensor_goes_dense_is_dense_horovod(results):
         assert all(v is None for v in res[0][name]["residuals"].values()), name
 
 
+@pytest.mark.jobs(DENSE_FIRST)
+def test_the_dense_steps_are_dense_horovod_through_both_doors(results):
+    """PowerSGD(dense_steps=2) (torch's start_powerSGD_iter): its first 2 steps are dense Horovod's, in
+    the stock door as in the optimizer's, and leave no residual."""
+    res = results(DENSE_FIRST)
+    dense = res[0]["dense"]["params"]
+    for name in BOTH:
+        assert_identical_across_ranks(door(res, name))
+        for key, value in dense.items():
+            torch.testing.assert_close(res[0][name]["params"][key], value, rtol=0, atol=1e-12)
+        assert all(v is None for v in res[0][name]["residuals"].values()), name
+
+
 @pytest.mark.jobs(STRAIGHT, SAVED, RESUMED)
 def test_resumed_from_per_rank_checkpoints_bit_for_bit(results):
-    """Residuals (per rank) and Q's (both doors) saved after step 2 and loaded: the run ends as the
-    straight one, bit for bit, on every rank."""
+    """Residuals (per rank), Q's and the steps done (both doors) saved after step 1 of 3 dense ones and
+    loaded: the run ends as the straight one, bit for bit, on every rank; the doors agree bit for bit."""
     straight, resumed = results(STRAIGHT), results(RESUMED)
     for r in range(2):
         for name in BOTH:
+            assert all(v is not None for v in straight[r][name]["residuals"].values()), (r, name)   # compressed
             for key, value in straight[r][name]["params"].items():
                 assert torch.equal(resumed[r][name]["params"][key], value), (r, name, key)
+                assert torch.equal(straight[r]["stock"]["params"][key], value), (r, name, key)
 
 
 @pytest.mark.slow
@@ -143,7 +160,8 @@ def test_settings_and_their_checks():
     for kwargs, message in (({"rank": 0}, "rank must be an integer >= 1"),
                             ({"communication": "split_reduce"}, r"communication must be one of \('lowrank', "),
                             ({"min_compression_rate": 0}, "min_compression_rate must be a finite number > 0"),
-                            ({"epsilon": -1}, "epsilon must be"), ({"seed": -1}, "seed must be")):
+                            ({"epsilon": -1}, "epsilon must be"), ({"seed": -1}, "seed must be"),
+                            ({"dense_steps": -1}, "dense_steps must be an integer >= 0")):
         with pytest.raises(ValueError, match=message):
             hvd_topk.PowerSGDSettings(**kwargs)
     with pytest.raises(ValueError, match="pin must be None or a dict of parameter name -> one of"):
@@ -169,6 +187,23 @@ def test_topk_only_settings_are_refused_with_low_rank(hvd, settings, named):
     pinned = hvd_topk.OptimizerSettings(pin={"0.weight": "lowrank"}, **settings)
     with pytest.raises(ValueError, match=rf"^{named} cannot be used with low rank \(PowerSGD pinned to a tensor\)"):
         hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), settings=pinned)
+
+
+def test_the_dense_steps_given_twice_must_agree(hvd):
+    """PowerSGD(dense_steps=...) and OptimizerSettings(dense_steps=...) say the same thing: either one
+    counts, both alike too, and two different numbers are refused rather than one silently chosen."""
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    for own, theirs, steps in ((0, 3, 3), (3, 0, 3), (3, 3, 3)):
+        opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                            compression=hvd_topk.PowerSGD(dense_steps=theirs),
+                                            settings=hvd_topk.OptimizerSettings(dense_steps=own))
+        assert opt._hvd_topk.schedule.dense_steps == steps, (own, theirs)
+    with pytest.raises(ValueError, match=r"dense_steps must be set once: OptimizerSettings\(dense_steps=2\) and "
+                                         "the compression's dense_steps=3 differ"):
+        hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                      compression=hvd_topk.PowerSGD(dense_steps=3),
+                                      settings=hvd_topk.OptimizerSettings(dense_steps=2))
 
 
 def test_communication_of_the_other_kind_is_refused(hvd):

@@ -81,6 +81,17 @@ def test_topkef_settings_reach_topkef_in_both_doors(one_rank):
     assert all(torch.isfinite(p).all() for p in arm.model.parameters())
 
 
+def test_both_low_rank_doors_take_the_hooks_dense_steps(one_rank):
+    """torch's hook sends its first START_POWERSGD_ITER steps dense; our low rank does too, through either
+    door (PowerSGD(dense_steps=...)), unless the arm's name says otherwise."""
+    task = Task("cnn", 0, 1)
+    stock = build_arm("powersgd r4", 5, task, ratio=0.01)
+    assert stock.opt._compression.settings.dense_steps == arms.START_POWERSGD_ITER == 2
+    assert build_arm("powersgd r2[dense_steps=0]", 6, task, ratio=0.01).opt._compression.settings.dense_steps == 0
+    opt_door = build_arm("hvd_topk powersgd r4", 7, task, ratio=0.01)
+    assert opt_door.opt._hvd_topk.schedule.dense_steps == arms.START_POWERSGD_ITER
+
+
 def test_names_and_overrides_are_read():
     assert parse_arm(" topkef ") == ("topkef", {})
     assert parse_arm("topkef[budget=2,sync_indices=false]") == ("topkef", {"budget": 2, "sync_indices": False})

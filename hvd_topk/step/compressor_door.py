@@ -29,6 +29,7 @@ from horovod.torch.compression import Compressor
 
 from .gradient_keys import ParameterKeys, SlotSequence
 from .op_token import OpToken
+from .schedule import DoorSteps
 from ..core.memory import ResidualMemory, StepCommits
 from ..core.sparsify import sq_norm_finite
 from ..core.validate import check_number
@@ -151,6 +152,7 @@ class CompressorDoor(Compressor):
         self.keys = SlotSequence(door) if named_parameters is None else ParameterKeys(named_parameters, door)
         self.memory, self._step = ResidualMemory(), PendingStep()     # key -> residual; this step's candidates
         self._world_size = None           # the process set's size when the last key was handed out
+        self.steps = DoorSteps()          # steps ended (PowerSGD's first settings.dense_steps go dense)
 
     @classmethod
     def default(cls):
@@ -247,6 +249,7 @@ class CompressorDoor(Compressor):
     def _end_step(self):
         """The step's last gradient was decompressed: its residuals are committed if it was finite."""
         self._step.end()
+        self.steps.end()
 
 
 def after_backward(fn):
@@ -267,11 +270,15 @@ def after_backward(fn):
 
 
 def keys_and_residuals(door):
-    """What every door's ``state_dict`` holds: its key signatures (keys by position) and this rank's residuals."""
-    return {"signatures": list(getattr(door.keys, "signatures", [])), "residuals": door.memory.state_dict()}
+    """What every door's ``state_dict`` holds: its key signatures (keys by position), this rank's residuals
+    and the steps it has ended."""
+    return {"signatures": list(getattr(door.keys, "signatures", [])), "residuals": door.memory.state_dict(),
+            "steps_done": door.steps.done}
 
 
 def load_keys_and_residuals(door, state):
     """Restore ``keys_and_residuals``' part of ``state`` into ``door``: its next compress starts a step."""
     door.keys.restore(state["signatures"])
     door.memory.load_state_dict(state["residuals"])
+    # a state saved before the steps were kept: its job compressed from the first step, so it is past them
+    door.steps.reset(state.get("steps_done", getattr(door.settings, "dense_steps", 0)))

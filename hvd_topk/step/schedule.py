@@ -5,10 +5,17 @@ Density 1 for the first ``dense_steps`` steps (a plain allreduce: dense Horovod)
 then ``ratio``. The adaptive ratio moves ``ratio`` through ``change_ratio``: a new ratio takes effect two
 steps after the decision, so the AR-Topk index set prepared one step ahead already has the new size.
 Identical on every rank: it depends only on step and epoch counters every rank shares.
-"""
-from ..core.sparsify import k_for
 
-__all__ = ["DensitySchedule"]
+A stock door counts its steps itself (``DoorSteps``): Horovod's optimizer tells a ``Compressor`` nothing
+of them, and elastic Horovod restores the user's state, not the compressor's.
+"""
+import torch
+from horovod.torch import mpi_ops
+
+from ..core.sparsify import k_for
+from ..transports.collectives import wait
+
+__all__ = ["DensitySchedule", "DoorSteps"]
 
 
 class DensitySchedule:
@@ -65,3 +72,34 @@ class DensitySchedule:
             return
         self.ratio = state.get("ratio", self.ratio)
         self.ratio_change = state.get("ratio_change")
+
+
+class DoorSteps:
+    """The steps a stock door has ended (``done``), the same on every rank where a decision rests on them
+    (PowerSGD's dense first steps).
+
+    Why a collective: after an elastic reset a rank that joined has counted none, and a rank that sends a
+    whole gradient where the others send a token fails Horovod's allreduce. So where the ranks may
+    disagree (a job's first step, after a reset or a load) ``agreed`` takes the largest count of the
+    ranks, once, in a collective every rank reaches at the same point: its first gradient since then."""
+
+    def __init__(self):
+        self.done = 0
+        self._agreed = False
+
+    def end(self):
+        self.done += 1
+
+    def reset(self, done=None):
+        """After a reset (``done`` None: keep the count) or a load: agree again before the next decision."""
+        self.done = self.done if done is None else done
+        self._agreed = False
+
+    def agreed(self, name, process_set):
+        """``done``, the largest among the ranks of ``process_set`` (collective the first time after a reset)."""
+        if not self._agreed and process_set.size() > 1:
+            largest = mpi_ops.allreduce_async(torch.tensor([self.done], dtype=torch.int64), op=mpi_ops.Max,
+                                              name=name, process_set=process_set)
+            self.done = int(wait(largest)[0])
+        self._agreed = True
+        return self.done

@@ -45,7 +45,8 @@ def mlp():
 
 
 # Each copy's own names: Horovod matches the ranks' collectives by name, and the copies' collectives of
-# one step must not share one. PowerSGD at rank 2 compresses the two weight matrices (the rest dense).
+# one step must not share one. PowerSGD at rank 2 compresses the two weight matrices (the rest dense),
+# after 2 dense steps: a rank that joins later must not take them again (hvd_topk.step.schedule.DoorSteps).
 models = {door: mlp() for door in ("hvd_topk", "topkef", "hvd_topk_powersgd", "powersgd")}
 named = {door: [(f"{door}.{n}", q) for n, q in model.named_parameters()] for door, model in models.items()}
 sgd = {door: torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9) for door, model in models.items()}
@@ -56,10 +57,10 @@ opts = {"hvd_topk": hvd_topk.DistributedOptimizer(sgd["hvd_topk"], named_paramet
             compression=TopKEF(ratio=args.ratio, min_numel=16, named_parameters=named["topkef"])),
         "hvd_topk_powersgd": hvd_topk.DistributedOptimizer(sgd["hvd_topk_powersgd"],
                                                            named_parameters=named["hvd_topk_powersgd"],
-                                                           compression=PowerSGD(rank=2)),
+                                                           compression=PowerSGD(rank=2, dense_steps=2)),
         "powersgd": hvd.DistributedOptimizer(
             sgd["powersgd"], named_parameters=named["powersgd"],
-            compression=PowerSGD(rank=2, named_parameters=named["powersgd"]))}
+            compression=PowerSGD(rank=2, named_parameters=named["powersgd"], dense_steps=2))}
 w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
 log = open(os.path.join(args.out, f"log.{os.getpid()}.jsonl"), "a")
 

@@ -7,7 +7,7 @@ Each rank trains copies of one model side by side, on the same data, one per ``-
   (``--stock-form positional``: without names; ``class``: ``compression=hvd_topk.PowerSGD``, rank 4);
 - ``dense``: stock ``hvd.DistributedOptimizer`` without compression.
 
-``--nan-rank`` makes that rank's loss NaN at ``--nan-step`` (every door skips the step on every rank).
+``--dense-steps`` gives both doors' PowerSGD its first dense steps. ``--nan-rank`` makes that rank's loss NaN at ``--nan-step`` (every door skips the step on every rank).
 ``--save-at`` writes a per-rank checkpoint per door after that step and stops; ``--resume`` reads them
 (the stock door's PowerSGD state as the checkpoint's extra). ``--set`` trains within that process set
 (registered at ``hvd.init``); ``--set-given no`` does not give it to the stock door's PowerSGD (the
@@ -33,6 +33,7 @@ p.add_argument("--steps", type=int, default=6)
 p.add_argument("--rank", type=int, default=2)
 p.add_argument("--op", choices=["average", "sum"], default="average")
 p.add_argument("--communication", default="lowrank")
+p.add_argument("--dense-steps", type=int, default=0, help="PowerSGD's dense_steps, in both doors")
 p.add_argument("--stock-form", choices=["named", "positional", "class"], default="named")
 p.add_argument("--nan-rank", type=int, default=-1)
 p.add_argument("--nan-step", type=int, default=-1)
@@ -61,11 +62,13 @@ def build(door):
     if door == "opt":
         opt = hvd_topk.DistributedOptimizer(base, named_parameters=named, op=op, process_set=ps,
                                             compression=hvd_topk.PowerSGD(rank=args.rank,
-                                                                          communication=args.communication))
+                                                                          communication=args.communication,
+                                                                          dense_steps=args.dense_steps))
     elif door == "dense":
         opt = hvd.DistributedOptimizer(base, named_parameters=named, op=op, process_set=ps)
     else:
         given = {"process_set": ps} if args.set_given == "yes" else {}
+        given["dense_steps"] = args.dense_steps
         compressor = {"named": lambda: hvd_topk.PowerSGD(args.rank, named_parameters=named,
                                                          communication=args.communication, **given),
                       "positional": lambda: hvd_topk.PowerSGD(args.rank, communication=args.communication, **given),
