@@ -2,7 +2,7 @@
 (Gloo, world size 1: no link, no other rank), one thread, Adam, batch 16: each step's time (60 steps,
 3 alternations) and, from cProfile over 30 steps, the hook's batched products (``torch.bmm``) and the
 backward pass's own C++ time (where the hook's element-wise work and the wrapper's casts run). Prints
-the CPU's float16 flags first: without avx512_fp16, torch computes float16 by converting to float32.
+the CPU's float16 flags first: without avx512_fp16 the CPU has no native float16 arithmetic.
 Run from the repository root:
     python bench/results/lowrank_fp16_wrapper_bow_2hosts_epyc/hook_one_process.py"""
 import cProfile
