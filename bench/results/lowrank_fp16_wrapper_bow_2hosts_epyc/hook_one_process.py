@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 sys.path.insert(0, os.getcwd())
+from bench.arms import START_POWERSGD_ITER  # noqa: E402  (the benchmark's DDP arms' dense first steps)
 from bench.tasks import BagOfWords  # noqa: E402
 
 NAMES = {False: "plain (float32)", True: "wrapped (float16)"}
@@ -27,7 +28,7 @@ BACKWARD = "<method 'run_backward' of 'torch._C._EngineBase' objects>"     # cPr
 def make_step(fp16):
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(BagOfWords(), bucket_cap_mb=1000)   # one bucket
-    state = psgd.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+    state = psgd.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=START_POWERSGD_ITER)
     model.register_comm_hook(state, default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook) if fp16
                              else psgd.powerSGD_hook)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -37,7 +38,7 @@ def make_step(fp16):
         opt.zero_grad()
         F.cross_entropy(model(tokens), labels).backward()
         opt.step()
-    for _ in range(5):                       # past the 2 dense steps
+    for _ in range(START_POWERSGD_ITER + 3):      # past the dense steps
         step()
     return step
 
