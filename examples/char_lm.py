@@ -1,4 +1,4 @@
-"""Byte-level GPT language model with dense Horovod, TopKEF in stock Horovod, or hvd_topk's optimizer.
+"""Byte-level GPT language model with dense Horovod, TopKEF or PowerSGD in stock Horovod, or hvd_topk's optimizer.
 
 A decoder-only transformer over bytes (vocabulary 256), trained on text that ships with Python and
 scikit-learn, so nothing is downloaded.
@@ -10,6 +10,7 @@ Launch (2 ranks, Gloo, on this machine):
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk --ratio 0.01 \
         --compress update --local-momentum off --communication allgather   # each rank's AdamW update
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression topkef --non-iid
+    horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk_powersgd --powersgd-rank 4
     horovodrun -np 4 -H localhost:4 --gloo python examples/char_lm.py --n-layer 6 --d-model 256 \
         --block-size 256 --data my_corpus.txt --tensorboard runs/lm
     mpirun -np 2 python examples/char_lm.py --compression topkef --ratio 0.001
@@ -258,30 +259,9 @@ def build_parser():
     return p
 
 
-def distributed_optimizer(args, model, base):
-    """``base`` made distributed as --compression says: dense or fp16 Horovod, TopKEF in Horovod's own
-    optimizer, or hvd_topk.DistributedOptimizer."""
-    import horovod.torch as hvd
-    import hvd_topk
-    from common import hvd_topk_options
-    from hvd_topk import TopKEF
-
-    if args.compression == "hvd_topk":
-        return hvd_topk.DistributedOptimizer(
-            base, named_parameters=model.named_parameters(),
-            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget),
-            **hvd_topk_options(args))
-    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(args.compression)
-    if args.compression == "topkef":
-        compression = TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget,
-                             named_parameters=model.named_parameters(), communication=args.communication)
-    return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
-                                    groups=args.groups or None)
-
-
 def main():
     import horovod.torch as hvd
-    from common import RunLog, check_compression_args
+    from common import RunLog, check_compression_args, distributed_optimizer
 
     p = build_parser()
     args = p.parse_args()
@@ -314,7 +294,7 @@ def main():
         base = torch.optim.AdamW(groups, lr=lr_at(0, args), betas=(0.9, 0.99))
     else:
         base = torch.optim.SGD(groups, lr=lr_at(0, args), momentum=args.momentum)
-    opt = distributed_optimizer(args, model, base)
+    opt, _ = distributed_optimizer(args, model, base)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
@@ -337,7 +317,7 @@ def main():
         epoch = log.step * tokens_per_step / len(train)   # passes over the training text
         for group in opt.param_groups:
             group["lr"] = lr_at(log.step, args)
-        if args.compression == "hvd_topk":
+        if args.compression.startswith("hvd_topk"):
             opt.set_epoch(int(epoch))                      # --warmup-epochs counts passes over the text
         log.begin_step()
         x, y = get_batch(train, window_starts(lo, hi, args.block_size, args.batch_size, gen), args.block_size)

@@ -1,14 +1,15 @@
 """What digits_cnn.py and char_lm.py share: their compression and run flags, and the run log.
 
 The examples import it as ``from common import ...`` (``python examples/x.py`` puts examples/ on
-sys.path). Each script builds its own optimizer from the flags (``hvd.DistributedOptimizer`` or
-``hvd_topk.DistributedOptimizer``, with ``hvd_topk_options(args)`` for the second's many options),
-then runs a training loop built on the run log:
+sys.path). Each script builds its distributed optimizer from the flags with ``distributed_optimizer``
+(``hvd.DistributedOptimizer`` with Horovod's compression, ``TopKEF`` or ``PowerSGD``, or
+``hvd_topk.DistributedOptimizer``, with ``hvd_topk_options(args)`` for its many options), then runs a
+training loop built on the run log:
 
     p = argparse.ArgumentParser()
     add_compression_args(p); add_run_args(p)
     args = p.parse_args(); check_compression_args(p, args)
-    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=...)
+    opt, comp = distributed_optimizer(args, model, base)      # comp: the stock door's compressor, or None
     log = RunLog(args, example="digits_cnn", model=model, model_name="cnn", dataset="digits")
     log.start()                                   # barrier; the clock and the link counters start
     while not log.should_stop(log.step):          # --max-steps / --time-budget, same on every rank
@@ -36,28 +37,33 @@ import torch
 import hvd_topk
 import hvd_topk.step.stats
 
-__all__ = ["add_compression_args", "add_run_args", "check_compression_args", "hvd_topk_options",
-           "loopback_tx_bytes", "RunLog"]
+__all__ = ["COMPRESSIONS", "add_compression_args", "add_run_args", "check_compression_args", "distributed_optimizer",
+           "hvd_topk_options", "loopback_tx_bytes", "RunLog"]
+
+# stock Horovod's own; hvd_topk's compressors in stock Horovod; hvd_topk's optimizer with Top-K or low rank
+COMPRESSIONS = ["none", "fp16", "topkef", "powersgd", "hvd_topk", "hvd_topk_powersgd"]
 
 
 def add_compression_args(parser):
     """Add the compression flags: --compression, --ratio, --min-numel and hvd_topk's options."""
     g = parser.add_argument_group("compression")
-    g.add_argument("--compression", choices=["none", "fp16", "topkef", "hvd_topk"], default="topkef",
-                   help="none/fp16: stock Horovod; topkef: TopKEF in stock Horovod; "
-                        "hvd_topk: hvd_topk.DistributedOptimizer")
-    g.add_argument("--ratio", type=float, default=0.01, help="TopKEF: fraction of elements kept")
-    g.add_argument("--min-numel", type=int, default=1024, help="TopKEF: smaller tensors go dense")
+    g.add_argument("--compression", choices=COMPRESSIONS, default="topkef",
+                   help="none/fp16: stock Horovod; topkef, powersgd: hvd_topk.TopKEF or hvd_topk.PowerSGD in stock "
+                        "Horovod; hvd_topk, hvd_topk_powersgd: hvd_topk.DistributedOptimizer with Top-K or low rank")
+    g.add_argument("--ratio", type=float, default=0.01, help="Top-K: fraction of elements kept")
+    g.add_argument("--min-numel", type=int, default=1024, help="Top-K: smaller tensors go dense")
+    g.add_argument("--powersgd-rank", type=int, default=4, help="low rank: the rank r of each tensor's approximation")
     g.add_argument("--groups", type=int, default=0,
                    help="Horovod's groups: the gradients split into N groups, each sent as one grouped collective "
                         "once all its gradients are ready (fewer, larger messages); 0: no groups")
-    g.add_argument("--communication", choices=["artopk", "allgather", "split_reduce", "hierarchical", "dense", "auto"],
-                   default="split_reduce",
-                   help="topkef and hvd_topk: transport (auto: hvd_topk only): artopk (AR-Topk: one shared index set, values allreduced), allgather "
+    g.add_argument("--communication", choices=["artopk", "allgather", "split_reduce", "hierarchical", "lowrank", "dense",
+                                               "auto"], default=None,
+                   help="the transport (default: split_reduce for Top-K, lowrank for low rank; auto: hvd_topk's optimizer "
+                        "only): artopk (AR-Topk: one shared index set, values allreduced), allgather "
                         "(every rank's own top-k gathered), split_reduce (Ok-Topk: top-k rows to their index "
                         "region's owner, reduced there, the kept rows gathered), hierarchical (dense inside each host, "
-                        "split_reduce across hosts; needs HOROVOD_DYNAMIC_PROCESS_SETS=1), dense, or auto (chosen per tensor "
-                        "from a probe of the link and timed trials)")
+                        "compressed across hosts; needs HOROVOD_DYNAMIC_PROCESS_SETS=1), lowrank (PowerSGD's P's and Q's "
+                        "allreduced), dense, or auto (chosen per tensor from a probe of the link and timed trials)")
     g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
     g.add_argument("--budget", type=float, default=1.0,
                    help="topkef and hvd_topk: split_reduce keeps the largest budget * k summed entries (>= 1)")
@@ -76,7 +82,8 @@ def add_compression_args(parser):
     g.add_argument("--value-dtype", choices=["float32", "float16"], default="float32",
                    help="hvd_topk: dtype of the compressed tensors' values on the wire")
     g.add_argument("--dense-steps", type=int, default=0,
-                   help="hvd_topk: send the first N steps dense (a warm-up stage for Adam's statistics)")
+                   help="hvd_topk and powersgd: send the first N steps dense (a warm-up stage for Adam's statistics; "
+                        "torch's start_powerSGD_iter)")
     g.add_argument("--adaptive-ratio", action="store_true",
                    help="hvd_topk: let the optimizer adapt the ratio (--ratio is the starting point)")
     g.add_argument("--adaptive-weight", type=float, default=None,
@@ -104,13 +111,46 @@ def add_run_args(parser):
 
 
 def check_compression_args(parser, args):
-    """Exit with a usage error when a flag only hvd_topk.DistributedOptimizer has is given without
-    --compression hvd_topk."""
-    if args.compression != "hvd_topk" and (
-            args.adaptive_ratio or args.communication == "auto" or args.dense_steps or args.compress != "gradient"
+    """Exit with a usage error when a flag only hvd_topk.DistributedOptimizer has is given without it."""
+    if not args.compression.startswith("hvd_topk") and (
+            args.adaptive_ratio or args.communication == "auto" or args.compress != "gradient"
             or args.local_momentum != "on" or args.value_dtype != "float32"):
-        parser.error("--adaptive-ratio, --communication auto, --dense-steps, --compress update, "
-                     "--local-momentum off and --value-dtype float16 need --compression hvd_topk")
+        parser.error("--adaptive-ratio, --communication auto, --compress update, --local-momentum off and "
+                     "--value-dtype float16 need --compression hvd_topk or hvd_topk_powersgd")
+    if args.dense_steps and args.compression not in ("hvd_topk", "hvd_topk_powersgd", "powersgd"):
+        parser.error("--dense-steps needs --compression hvd_topk, hvd_topk_powersgd or powersgd")
+
+
+def distributed_optimizer(args, model, base):
+    """``base`` made distributed as --compression says: (optimizer, comp), where comp is the TopKEF or
+    PowerSGD given to stock Horovod (it holds this rank's residuals: save its state_dict() with the rank's
+    checkpoint), else None (hvd_topk's optimizer keeps its residuals in its own state_dict()).
+
+    Example (``args`` from this file's parser)::
+
+        opt, comp = distributed_optimizer(args, model, torch.optim.SGD(model.parameters(), lr=0.05))
+    """
+    named = list(model.named_parameters())
+    if args.compression.startswith("hvd_topk"):
+        return hvd_topk.DistributedOptimizer(base, named_parameters=named, compression=_compressor(args),
+                                             **hvd_topk_options(args)), None
+    stock = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+    comp = None if args.compression in stock else _compressor(args, named)
+    opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=stock.get(args.compression, comp),
+                                   groups=args.groups or None)
+    return opt, comp
+
+
+def _compressor(args, named=None):
+    """TopKEF or PowerSGD from the flags; ``named``: the stock door's named_parameters (there the
+    compressor also takes --communication and --dense-steps, which the optimizer door takes itself)."""
+    stock = {} if named is None else dict(named_parameters=named, dense_steps=args.dense_steps)
+    if args.communication is not None and named is not None:
+        stock["communication"] = args.communication
+    if args.compression in ("powersgd", "hvd_topk_powersgd"):
+        return hvd_topk.PowerSGD(rank=args.powersgd_rank, **stock)
+    stock.pop("dense_steps", None)
+    return hvd_topk.TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget, **stock)
 
 
 def hvd_topk_options(args):
@@ -180,10 +220,11 @@ class RunLog:
             "example": example, "compression": args.compression,
             "optimizer": getattr(args, "optimizer", None),
             "ratio": args.ratio if args.compression in ("topkef", "hvd_topk") else None,
+            "powersgd_rank": args.powersgd_rank if args.compression.endswith("powersgd") else None,
             "communication": _communication(args),
-            "compress": args.compress if args.compression == "hvd_topk" else None,
-            "local_momentum": args.local_momentum if args.compression == "hvd_topk" else None,
-            "value_dtype": args.value_dtype if args.compression == "hvd_topk" else None,
+            "compress": args.compress if args.compression.startswith("hvd_topk") else None,
+            "local_momentum": args.local_momentum if args.compression.startswith("hvd_topk") else None,
+            "value_dtype": args.value_dtype if args.compression.startswith("hvd_topk") else None,
             "groups": args.groups or None,
             "ranks": self.size,
             "model": model_name, "dataset": dataset, "non_iid": bool(non_iid),
@@ -301,7 +342,7 @@ class RunLog:
                   "test_loss": None, "test_accuracy": None, "wall_s": wall, "params_identical": same,
                   "loopback_tx_bytes": tx - self.tx0,
                   "bytes_per_rank_per_step": (tx - self.tx0) / self.size / max(1, steps),
-                  "hvd_topk_stats": _jsonable(self.last_stats) if self.args.compression == "hvd_topk"
+                  "hvd_topk_stats": _jsonable(self.last_stats) if self.args.compression.startswith("hvd_topk")
                   else None, "hvd_topk_auto": _jsonable(self.auto_state)}
         record.update(result)
         if self.rank == 0:
@@ -314,8 +355,10 @@ class RunLog:
 
 
 def _communication(args):
-    """The transport in use: the flag for TopKEF and hvd_topk; else dense."""
-    return args.communication if args.compression in ("topkef", "hvd_topk") else "dense"
+    """The transport in use: the flag, else the compressor's default (dense for stock Horovod's own)."""
+    if args.compression in ("none", "fp16"):
+        return "dense"
+    return args.communication or ("lowrank" if args.compression.endswith("powersgd") else "split_reduce")
 
 
 def _jsonable(stats):

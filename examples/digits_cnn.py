@@ -1,6 +1,6 @@
 """Image classification with Horovod and Top-K compression: a small CNN on scikit-learn's shipped
-8x8 digits (built in), or real MNIST / CIFAR-10 files; dense Horovod, TopKEF in stock Horovod, or
-hvd_topk.DistributedOptimizer (momentum correction, warm-up, transports).
+8x8 digits (built in), or real MNIST / CIFAR-10 files; dense Horovod, TopKEF or PowerSGD in stock
+Horovod, or hvd_topk.DistributedOptimizer (momentum correction, warm-up, transports, low rank).
 
 Launch (2 ranks, Gloo, on this machine):
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression topkef
@@ -9,6 +9,7 @@ Launch (2 ranks, Gloo, on this machine):
         --ratio 0.001 --warmup-epochs 4
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression hvd_topk \
         --optimizer adam --lr 0.001 --communication allgather
+    horovodrun -np 2 -H localhost:2 --gloo python examples/digits_cnn.py --compression powersgd --powersgd-rank 4
     mpirun -np 2 python examples/digits_cnn.py --compression topkef --ratio 0.001
     sbatch slurm/train_cpu.sbatch examples/digits_cnn.py --compression topkef --checkpoint ckpt/digits.pt
 Other data, models and skew:
@@ -31,7 +32,7 @@ each rank sees only a few labels; every rank has the same number of samples and 
 Rank 0 prints each rank's label histogram. The test set stays the whole, balanced test set.
 Stopping: --epochs, --max-steps (optimizer steps in total) and --time-budget (seconds of training,
 evaluation excluded), whichever comes first; all ranks stop at the same step.
-With --checkpoint, every rank saves its own file (model, optimizer, TopKEF residuals, position) at each
+With --checkpoint, every rank saves its own file (model, optimizer, residuals, position) at each
 epoch's end, and at the next step after SIGUSR1/SIGTERM, then exits with status 85 (EXIT_REQUEUE), on
 which slurm/*.sbatch requeue the job; a run that finds the files resumes where they left off.
 Rank 0 writes the run's record to --json-out: its settings, per-step times and link bytes, the test
@@ -54,8 +55,7 @@ from tqdm import tqdm
 
 import hvd_topk
 import hvd_topk.step.checkpoint
-from common import RunLog, add_compression_args, add_run_args, check_compression_args, hvd_topk_options
-from hvd_topk import TopKEF
+from common import RunLog, add_compression_args, add_run_args, check_compression_args, distributed_optimizer
 from data import DATASETS, label_histogram, load_dataset, shard_partition
 
 # -- arguments (one screen) ----------------------------------------------------------------------
@@ -166,7 +166,7 @@ def main():
                                weight_decay=args.weight_decay)
     else:
         base = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    opt, comp = distributed_optimizer(model, base)
+    opt, comp = distributed_optimizer(args, model, base)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     resumed = resume(model, opt, comp) if args.checkpoint else None   # hvd_topk's: in opt.state_dict()
@@ -203,7 +203,7 @@ def main():
         else:
             perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
             mine = perm[hvd.rank()::hvd.size()]
-        if args.compression == "hvd_topk":
+        if args.compression.startswith("hvd_topk"):
             opt.set_epoch(epoch)
         model.train()
         for s in range(start_step if epoch == start_epoch else 0, steps_per_epoch):
@@ -251,26 +251,6 @@ def main():
     if args.checkpoint:
         result["resumed_from"] = {"epoch": start_epoch, "step": start_step} if resumed else None
     log.finish(model, result)
-
-
-def distributed_optimizer(model, base):
-    """``base`` made distributed as --compression says: (optimizer, comp). comp is the TopKEF given to
-    stock Horovod (it holds this rank's residuals: checkpoints save it), else None; hvd_topk's
-    optimizer keeps its residuals in its own state_dict()."""
-    if args.compression == "hvd_topk":
-        opt = hvd_topk.DistributedOptimizer(
-            base, named_parameters=model.named_parameters(),
-            compression=TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget),
-            **hvd_topk_options(args))
-        return opt, None
-    comp = None
-    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(args.compression)
-    if args.compression == "topkef":
-        comp = compression = TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget,
-                                    named_parameters=model.named_parameters(), communication=args.communication)
-    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
-                                   groups=args.groups or None)
-    return opt, comp
 
 
 def evaluate_point(log, model, x, y, steps_per_epoch):

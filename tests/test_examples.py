@@ -208,6 +208,8 @@ CIFAR10 = digits_job("--dataset", "cifar10", "--data-dir", OutOf(SYNTHETIC_DATA,
 NON_IID = digits_job("--non-iid", "--compression", "hvd_topk", "--max-steps", 12, "--eval-every", 5,
                      "--tensorboard", Out("tb"))
 TIME_BUDGET = digits_job("--time-budget", 1.0, "--epochs", 100, "--compression", "topkef")
+LOW_RANK = {door: digits_job("--compression", door, "--powersgd-rank", 2, "--max-steps", 8, "--eval-every", 4)
+            for door in ("powersgd", "hvd_topk_powersgd")}
 
 
 def digits_result(results, digits):
@@ -269,6 +271,18 @@ def test_job_time_budget_stops_every_rank_at_the_same_step(results):
     assert res["wall_s"] >= 1.0
 
 
+@pytest.mark.jobs(*LOW_RANK.values())
+def test_job_digits_low_rank_through_both_doors(results):
+    """--compression powersgd (stock Horovod) and hvd_topk_powersgd (hvd_topk's optimizer) train with
+    PowerSGD at the rank asked, and both doors, one transport, give the same test curve to the bit."""
+    stock, ours = (digits_result(results, LOW_RANK[door]) for door in ("powersgd", "hvd_topk_powersgd"))
+    for res in (stock, ours):
+        check_contract(res, steps=8)
+        assert (res["communication"], res["powersgd_rank"], res["ratio"]) == ("lowrank", 2, None)
+    assert stock["hvd_topk_stats"] is None and "bytes_sent" in ours["hvd_topk_stats"]
+    assert [p["test_loss"] for p in stock["curve"]] == [p["test_loss"] for p in ours["curve"]]
+
+
 def test_missing_data_files_fail_with_a_clear_message(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), "--dataset", "cifar10",
                            "--data-dir", str(tmp_path), "--quiet"], cwd=ROOT, capture_output=True,
@@ -277,14 +291,17 @@ def test_missing_data_files_fail_with_a_clear_message(tmp_path):
     assert "data_batch_1.bin: missing" in proc.stderr and "CIFAR-10 binary version" in proc.stderr
 
 
-def test_hvd_topk_flags_without_hvd_topk_are_a_usage_error():
-    """A flag only hvd_topk.DistributedOptimizer has, given to stock Horovod, stops the run before any
-    training with argparse's usage error, naming the flags."""
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), "--compression", "topkef",
-                           "--dense-steps", "3", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("flags, message", [
+    (["--compression", "topkef", "--dense-steps", "3"], "--dense-steps needs --compression hvd_topk"),
+    (["--compression", "powersgd", "--compress", "update"], "need --compression hvd_topk or hvd_topk_powersgd"),
+])
+def test_hvd_topk_flags_without_hvd_topk_are_a_usage_error(flags, message):
+    """A flag only hvd_topk.DistributedOptimizer (or low rank's dense steps) has, given to a door without
+    it, stops the run before any training with argparse's usage error, naming the flags."""
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), *flags, "--quiet"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--dense-steps" in proc.stderr and "need --compression hvd_topk" in proc.stderr
-
+    assert flags[2] in proc.stderr and message in proc.stderr
 
 
 # -- the examples stand alone ----------------------------------------------------------------------
