@@ -52,7 +52,8 @@ def add_compression_args(parser):
                         "Horovod; hvd_topk, hvd_topk_powersgd: hvd_topk.DistributedOptimizer with Top-K or low rank")
     g.add_argument("--ratio", type=float, default=0.01, help="Top-K: fraction of elements kept")
     g.add_argument("--min-numel", type=int, default=1024, help="Top-K: smaller tensors go dense")
-    g.add_argument("--powersgd-rank", type=int, default=4, help="low rank: the rank r of each tensor's approximation")
+    g.add_argument("--powersgd-rank", type=int, default=None,
+                   help="low rank: the rank r of each tensor's approximation (default 4)")
     g.add_argument("--groups", type=int, default=0,
                    help="Horovod's groups: the gradients split into N groups, each sent as one grouped collective "
                         "once all its gradients are ready (fewer, larger messages); 0: no groups")
@@ -119,6 +120,10 @@ def check_compression_args(parser, args):
                      "--value-dtype float16 need --compression hvd_topk or hvd_topk_powersgd")
     if args.dense_steps and args.compression not in ("hvd_topk", "hvd_topk_powersgd", "powersgd"):
         parser.error("--dense-steps needs --compression hvd_topk, hvd_topk_powersgd or powersgd")
+    if args.powersgd_rank is not None and not args.compression.endswith("powersgd"):
+        parser.error("--powersgd-rank needs --compression powersgd or hvd_topk_powersgd")
+    if args.compression.endswith("powersgd") and args.powersgd_rank is None:
+        args.powersgd_rank = 4
 
 
 def distributed_optimizer(args, model, base):

@@ -294,10 +294,11 @@ def test_missing_data_files_fail_with_a_clear_message(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--compression", "topkef", "--dense-steps", "3"], "--dense-steps needs --compression hvd_topk"),
     (["--compression", "powersgd", "--compress", "update"], "need --compression hvd_topk or hvd_topk_powersgd"),
+    (["--compression", "topkef", "--powersgd-rank", "2"], "--powersgd-rank needs --compression powersgd"),
 ])
 def test_hvd_topk_flags_without_hvd_topk_are_a_usage_error(flags, message):
-    """A flag only hvd_topk.DistributedOptimizer (or low rank's dense steps) has, given to a door without
-    it, stops the run before any training with argparse's usage error, naming the flags."""
+    """A flag only hvd_topk.DistributedOptimizer (or low rank) has, given to a door without it, stops the
+    run before any training with argparse's usage error, naming the flags."""
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "digits_cnn.py"), *flags, "--quiet"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
