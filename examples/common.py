@@ -112,7 +112,8 @@ def add_run_args(parser):
 
 
 def check_compression_args(parser, args):
-    """Exit with a usage error when a flag only hvd_topk.DistributedOptimizer has is given without it."""
+    """Exit with a usage error when a flag is given to a --compression that does not take it (a flag only
+    hvd_topk.DistributedOptimizer has, or low rank's); fill in --powersgd-rank's default for low rank."""
     if not args.compression.startswith("hvd_topk") and (
             args.adaptive_ratio or args.communication == "auto" or args.compress != "gradient"
             or args.local_momentum != "on" or args.value_dtype != "float32"):
@@ -149,13 +150,13 @@ def distributed_optimizer(args, model, base):
 def _compressor(args, named=None):
     """TopKEF or PowerSGD from the flags; ``named``: the stock door's named_parameters (there the
     compressor also takes --communication and --dense-steps, which the optimizer door takes itself)."""
-    stock = {} if named is None else dict(named_parameters=named, dense_steps=args.dense_steps)
+    in_stock_horovod = {} if named is None else dict(named_parameters=named)
     if args.communication is not None and named is not None:
-        stock["communication"] = args.communication
+        in_stock_horovod["communication"] = args.communication
     if args.compression in ("powersgd", "hvd_topk_powersgd"):
-        return hvd_topk.PowerSGD(rank=args.powersgd_rank, **stock)
-    stock.pop("dense_steps", None)
-    return hvd_topk.TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget, **stock)
+        dense_steps = {} if named is None else dict(dense_steps=args.dense_steps)
+        return hvd_topk.PowerSGD(rank=args.powersgd_rank, **in_stock_horovod, **dense_steps)
+    return hvd_topk.TopKEF(ratio=args.ratio, min_numel=args.min_numel, budget=args.budget, **in_stock_horovod)
 
 
 def hvd_topk_options(args):
