@@ -2,6 +2,7 @@
 
     horovodrun -np 2 --gloo python examples/pytorch_digits_topkef.py                     # sklearn digits
     horovodrun -np 2 --gloo python examples/pytorch_digits_topkef.py --data-dir data/mnist  # MNIST files
+Low rank instead: compression=hvd_topk.PowerSGD(rank=4, named_parameters=model.named_parameters()).
 """
 import argparse
 import hashlib
