@@ -10,10 +10,21 @@ from hvd_topk.core.sparsify import topk_indices
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 KINDS = ["normal", "cauchy", "few_values", "zeros", "outlier", "denormal", "negative", "sparse",
          "non_finite"]
-SETTINGS = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# (the threads fixture sets torch's threads once for all of a test's examples, as it should)
+SETTINGS = settings(max_examples=600, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 # Large enough for the sampled path with its real constants, over several pass steps and a partial one.
 LARGE = sparsify._CPU_CHUNK * 2 + 12345
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """torch's CPU threads during the test: the selection's pass runs in numpy at one, in torch above."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
 
 
 def make_input(kind, n, dtype, seed):
@@ -96,7 +107,7 @@ def test_public_selection_matches_torch_topk(case):
 @SETTINGS
 @given(case=cases(), sample_size=st.sampled_from([1, 7, 64, 1000]),
        chunk=st.sampled_from([8, 24, 64, 1000, 4096]))
-def test_threshold_path_matches_torch_topk_at_any_size(case, sample_size, chunk):
+def test_threshold_path_matches_torch_topk_at_any_size(threads, case, sample_size, chunk):
     # Small samples and steps drive the sampled path through every branch (retries, fallback,
     # ties across steps, partial last step) on inputs small enough for many examples.
     x, k = case
@@ -105,7 +116,7 @@ def test_threshold_path_matches_torch_topk_at_any_size(case, sample_size, chunk)
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("kind", KINDS)
-def test_large_inputs_take_the_fast_path_and_match(kind, dtype, monkeypatch):
+def test_large_inputs_take_the_fast_path_and_match(threads, kind, dtype, monkeypatch):
     calls = []
     exact = sparsify._topk_exact
     monkeypatch.setattr(sparsify, "_topk_exact", lambda x, k: calls.append(k) or exact(x, k))
@@ -118,7 +129,7 @@ def test_large_inputs_take_the_fast_path_and_match(kind, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["normal", "few_values", "zeros", "sparse", "non_finite"])
-def test_same_input_same_indices(kind):
+def test_same_input_same_indices(threads, kind):
     x = make_input(kind, LARGE, torch.float32, seed=7)
     for k in (1, 1000, 30000):
         first = topk_indices(x, k)
@@ -126,7 +137,7 @@ def test_same_input_same_indices(kind):
         assert torch.equal(first, topk_indices(x.clone(), k))
 
 
-def test_nan_counts_as_largest_like_torch_topk():
+def test_nan_counts_as_largest_like_torch_topk(threads):
     x = make_input("normal", LARGE, torch.float32, seed=3)
     nan_at = torch.arange(5, x.numel(), x.numel() // 40)
     x[nan_at] = float("nan")
@@ -136,7 +147,7 @@ def test_nan_counts_as_largest_like_torch_topk():
     assert got == set(torch.topk(x.abs(), nan_at.numel() + 1).indices.tolist())
 
 
-def test_ties_at_the_threshold_take_the_first_in_index_order():
+def test_ties_at_the_threshold_take_the_first_in_index_order(threads):
     # The sampled threshold is 0, so the zeros overflow the candidate cap: the pass then keeps the
     # first k zeros in index order and only collects larger magnitudes after that.
     x = torch.zeros(1000)
@@ -199,7 +210,7 @@ def test_input_requiring_grad_is_accepted_and_untouched():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_strided_input_matches(dtype):
+def test_strided_input_matches(threads, dtype):
     # A strided view (every third element, from an odd offset) reinterprets as integers in place.
     base = make_input("cauchy", 3 * LARGE + 1, dtype, seed=5)
     x = base[1::3]
