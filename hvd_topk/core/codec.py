@@ -22,9 +22,9 @@ of 100M 38 ms (19 ms sorted), against 1.0 and 19 ms for 8-byte rows; ``pack`` sk
 """
 import math
 
-import numpy as np
 import torch
 
+from .sparsify import ascending
 from .validate import check_choice, check_int
 from .wire import CODEC_BLOCK, CODEC_HEADER_BYTES, CODEC_OFFSET_BYTES, CODEC_VALUE_BYTES
 
@@ -57,15 +57,15 @@ def _largest_finite(values):
 
 
 def _sort_by_index(relative, codes):
-    """(relative, codes) in index order. One sort of int64 keys (index, then the code's bits) moves both;
-    on the CPU numpy's vectorised sort, several times faster here than torch's comparison sort."""
+    """(relative, codes) in index order. One sort of int64 keys (index, then the code's bits) moves both
+    (``sparsify.ascending``: numpy's sort on the CPU)."""
     if codes.element_size() == 8:                             # fp64: no room for the code beside the index
         order = torch.argsort(relative, stable=True)
         return relative[order], codes[order]
     width = 8 * codes.element_size()
     bits_dtype = torch.int16 if width == 16 else torch.int32
     keys = (relative.long() << width) | (codes.view(bits_dtype).long() & ((1 << width) - 1))
-    keys = torch.from_numpy(np.sort(keys.numpy())) if keys.device.type == "cpu" else keys.sort().values
+    keys = ascending(keys)
     return (keys >> width).to(torch.int32), keys.to(bits_dtype).view(codes.dtype)     # low bits: the code
 
 

@@ -25,7 +25,7 @@ from horovod.torch import mpi_ops
 
 from ..core.buckets import flag_of, frame, offsets, read_frame, signature, wire_dtype, wire_kind
 from ..core.codec import pack, sent_values, unpack
-from ..core.sparsify import sq_norm_finite, topk_indices
+from ..core.sparsify import ascending, sq_norm_finite, topk_indices
 from ..core.wire import CODEC_ENTRY_BYTES, FLAG_BYTES
 from .base import Outcome, Started
 from .fused import Buckets
@@ -102,7 +102,7 @@ class SparseAllgather:
 
     def start(self, key, acc, k, finite, grad=None, step=None, k_next=None):
         n = acc.numel()
-        sel = torch.arange(n, device=acc.device) if k == n else topk_indices(acc, k).sort().values
+        sel = torch.arange(n, device=acc.device) if k == n else ascending(topk_indices(acc, k))
         values = acc.index_select(0, sel)
         kind = wire_kind(acc.dtype, self.values)
         wire_values = values.to(wire_dtype(kind))

@@ -34,7 +34,7 @@ float64 accumulators) zero the sent entries and round nothing but the sums, as 8
 import torch
 
 from ..core.buckets import flag_of, wire_dtype, wire_kind
-from ..core.sparsify import sq_norm_finite, topk_indices
+from ..core.sparsify import ascending, sq_norm_finite, topk_indices
 from ..core.wire import CODEC_ENTRY_BYTES, FLAG_BYTES
 from .base import Outcome, Started
 from .fused import Buckets
@@ -75,7 +75,7 @@ class SplitReduce:
 
     def start(self, key, acc, k, finite, grad=None, step=None, k_next=None):
         n, ranks = acc.numel(), self.collectives.process_set.size()
-        sel = topk_indices(acc, k).sort().values         # sorted: each owner's entries are one slice
+        sel = ascending(topk_indices(acc, k))            # sorted: each owner's entries are one slice
         values = acc.index_select(0, sel)
         kind = wire_kind(acc.dtype, self.values)
         bounds = torch.tensor([0, n]) if ranks <= 2 else self.regions.of(key, n, ranks)
