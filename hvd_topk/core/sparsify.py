@@ -6,7 +6,7 @@ import torch
 
 from .validate import check_int
 
-__all__ = ["k_for", "topk_indices", "ascending", "distinct", "spread_indices", "scatter_dense", "sq_norm_finite"]
+__all__ = ["k_for", "topk_indices", "ascending", "spread_indices", "scatter_dense", "sq_norm_finite"]
 
 
 def k_for(numel, ratio):
@@ -215,8 +215,9 @@ def _nonzero(hits, offset=0):
 
 def ascending(idx):
     """The 1-D integer tensor ``idx`` sorted ascending: on the CPU by numpy's vectorised sort, 10x torch's
-    for 21,800 int64 indices and 3-5x for 63,000-250,000, at one thread or two (docs/studies/
-    2026-11-selection-speed.md); on CUDA by torch's.
+    for 21,800 int64 indices and 2.6-4.6x for 63,000-250,000, at one thread or two
+    (bench/results/sort_one_thread); on CUDA by torch's. (numpy's unique was no faster than torch's and,
+    at two threads, up to 2.1x slower: split_reduce's candidates keep ``torch.unique``.)
 
     Example:
         >>> ascending(torch.tensor([3, 1, 2])).tolist()
@@ -225,21 +226,6 @@ def ascending(idx):
     if idx.device.type != "cpu":
         return idx.sort().values
     return torch.from_numpy(np.sort(idx.numpy()))
-
-
-def distinct(idx):
-    """(the distinct values of the 1-D integer tensor ``idx``, ascending; for each entry of ``idx`` its
-    position among them): ``torch.unique(idx, return_inverse=True)``, by numpy on the CPU (2.9x torch's
-    for 22,000 int64 indices, 1.35x for 87,000, one thread).
-
-    Example:
-        >>> [t.tolist() for t in distinct(torch.tensor([5, 2, 5]))]
-        [[2, 5], [1, 0, 1]]
-    """
-    if idx.device.type != "cpu":
-        return torch.unique(idx, return_inverse=True)
-    values, inverse = np.unique(idx.numpy(), return_inverse=True)
-    return torch.from_numpy(values), torch.from_numpy(inverse.reshape(-1)).long()
 
 
 def spread_indices(numel, k, device=None):

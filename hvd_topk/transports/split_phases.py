@@ -9,7 +9,7 @@ from horovod.torch import mpi_ops
 
 from ..core.buckets import offsets, read_frame, signature, wire_dtype
 from ..core.codec import message_nbytes, pack, sent_values, unpack
-from ..core.sparsify import distinct, topk_indices
+from ..core.sparsify import topk_indices
 from ..core.wire import CODEC_ENTRY_BYTES, FLAG_BYTES, HIST_BINS
 from .allgather import LOSSLESS, bucket_buffer, kinds_of, mismatch_error, read_ranks
 from .base import Outcome
@@ -36,7 +36,7 @@ def histogram_row(counts, mismatched, unreadable):
 def sum_candidates(parts, dtype):
     """(sorted distinct indices, their sums in ``dtype``) of the (values, indices) ``parts``, added in order."""
     values = torch.cat([v for v, _ in parts]).to(dtype)
-    candidates, slot = distinct(torch.cat([i for _, i in parts]))
+    candidates, slot = torch.unique(torch.cat([i for _, i in parts]), return_inverse=True)
     return candidates, torch.zeros(candidates.numel(), dtype=dtype).index_add_(0, slot, values)
 
 
