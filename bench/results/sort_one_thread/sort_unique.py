@@ -1,5 +1,6 @@
-"""The transports' sorts of indices on the CPU: torch's sort and unique against numpy's (what
-``hvd_topk.core.sparsify.ascending`` and ``distinct`` use on the CPU), at one torch thread and at two,
+"""The transports' sorts of indices on the CPU: torch's sort and unique against numpy's (numpy's sort
+is what ``hvd_topk.core.sparsify.ascending`` uses; numpy's unique was tried and dropped), at one torch
+thread and at two,
 over random int64 indices of the sizes the benchmarks' models select (1% of 0.15M, 2.18M, 6.3M and
 25M parameters; the unique's input: 4 ranks' candidates of one owner). Median of 200 calls after 5
 warm-up calls; prints a table and writes manifest.json beside this file. Run from the repository root:
