@@ -80,6 +80,9 @@ def add_compression_args(parser):
     g.add_argument("--local-momentum", choices=["on", "off"], default="on",
                    help="hvd_topk, --compress update: off steps the optimizer without momentum (Adam's beta1 = 0) "
                         "once steps are compressed; error feedback's accumulation takes its place")
+    g.add_argument("--second-moment", choices=["local", "frozen"], default="local",
+                   help="hvd_topk, --compress update, Adam/AdamW: frozen takes Adam's second moment from the "
+                        "--dense-steps' averaged gradients and holds it (1-bit Adam's); local: each rank's own")
     g.add_argument("--value-dtype", choices=["float32", "float16"], default="float32",
                    help="hvd_topk: dtype of the compressed tensors' values on the wire")
     g.add_argument("--dense-steps", type=int, default=0,
@@ -116,9 +119,10 @@ def check_compression_args(parser, args):
     hvd_topk.DistributedOptimizer has, or low rank's); fill in --powersgd-rank's default for low rank."""
     if not args.compression.startswith("hvd_topk") and (
             args.adaptive_ratio or args.communication == "auto" or args.compress != "gradient"
-            or args.local_momentum != "on" or args.value_dtype != "float32"):
-        parser.error("--adaptive-ratio, --communication auto, --compress update, --local-momentum off and "
-                     "--value-dtype float16 need --compression hvd_topk or hvd_topk_powersgd")
+            or args.local_momentum != "on" or args.second_moment != "local" or args.value_dtype != "float32"):
+        parser.error("--adaptive-ratio, --communication auto, --compress update, --local-momentum off, "
+                     "--second-moment frozen and --value-dtype float16 need --compression hvd_topk or "
+                     "hvd_topk_powersgd")
     if args.dense_steps and args.compression not in ("hvd_topk", "hvd_topk_powersgd", "powersgd"):
         parser.error("--dense-steps needs --compression hvd_topk, hvd_topk_powersgd or powersgd")
     if args.powersgd_rank is not None and not args.compression.endswith("powersgd"):
@@ -177,7 +181,8 @@ def hvd_topk_options(args):
         leader=args.leader, warmup_epochs=args.warmup_epochs, dense_steps=args.dense_steps, selection=args.selection,
         momentum_correction=args.momentum_correction == "on", adaptive_ratio=True if args.adaptive_ratio else None,
         adaptive_weight=args.adaptive_weight, auto_every=args.auto_every, compress=args.compress,
-        local_momentum=args.local_momentum == "on", value_dtype=torch.float16 if args.value_dtype == "float16" else None)
+        local_momentum=args.local_momentum == "on", second_moment=args.second_moment,
+        value_dtype=torch.float16 if args.value_dtype == "float16" else None)
     return dict(communication=args.communication, groups=args.groups or None, settings=settings)
 
 
@@ -230,6 +235,7 @@ class RunLog:
             "communication": _communication(args),
             "compress": args.compress if args.compression.startswith("hvd_topk") else None,
             "local_momentum": args.local_momentum if args.compression.startswith("hvd_topk") else None,
+            "second_moment": args.second_moment if args.compression.startswith("hvd_topk") else None,
             "value_dtype": args.value_dtype if args.compression.startswith("hvd_topk") else None,
             "groups": args.groups or None,
             "ranks": self.size,

@@ -27,6 +27,7 @@ COMMUNICATIONS = ("artopk", "allgather", "split_reduce", "hierarchical", "dense"
 LOWRANK_COMMUNICATIONS = ("lowrank", "hierarchical")        # PowerSGDSettings.communication
 PIN_TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather", "lowrank")    # OptimizerSettings.pin's values
 COMPRESSES = ("gradient", "update")
+SECOND_MOMENTS = ("local", "frozen")
 LEADERS = ("star", "var")
 SELECTIONS = ("layerwise", "global")      # and None: selection_of's default
 # TopKEF's with selection='global': the transports that carry their own values (and dense, which selects nothing)
@@ -167,6 +168,11 @@ def check_optimizer_settings(s):
                          "optimizer steps on the aggregate; see momentum_correction)")
     for name in ("warmup_steps", "warmup_epochs", "dense_steps"):
         check_int(name, getattr(s, name))
+    check_choice("second_moment", s.second_moment, SECOND_MOMENTS)
+    if s.second_moment == "frozen" and (s.compress != "update" or s.dense_steps < 1):
+        raise ValueError(f"second_moment='frozen' needs compress='update' and dense_steps >= 1 (the moment is "
+                         f"taken from the dense steps' averaged gradients), got compress={s.compress!r}, "
+                         f"dense_steps={s.dense_steps!r}")
     if s.clip_grad_norm is not None:
         check_number("clip_grad_norm", s.clip_grad_norm, low=0, low_open=True, what="or None")
     if s.value_dtype is not None and not (isinstance(s.value_dtype, torch.dtype) and s.value_dtype.is_floating_point):
@@ -189,6 +195,10 @@ def check_optimizer(*, optimizer, settings, communication, backward_passes_per_s
     if not settings.local_momentum and any("betas" not in g and "momentum" not in g for g in optimizer.param_groups):
         raise ValueError(f"local_momentum=False needs an optimizer whose param groups have 'betas' (Adam "
                          f"family) or 'momentum' (SGD, RMSprop); {type(optimizer).__name__} has neither")
+    if settings.second_moment == "frozen" and (not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or
+                                               any(g.get("amsgrad") for g in optimizer.param_groups)):
+        raise ValueError(f"second_moment='frozen' needs torch.optim.Adam or AdamW without amsgrad (whose second "
+                         f"moment and bias correction it holds), got {type(optimizer).__name__}")
     if settings.compress == "update" and grad_scaler is not None:
         raise ValueError("grad_scaler cannot be used with compress='update' (use it with "
                          "compress='gradient', or unscaled gradients)")

@@ -105,7 +105,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     named_parameters = list(named_parameters) if named_parameters is not None else \
         [(f"param.{i}.{j}", q) for i, g in enumerate(optimizer.param_groups) for j, q in enumerate(g["params"])]
     config = StepConfig(communication=communication, selection=settings.selection, compress=settings.compress,
-                        local_momentum=settings.local_momentum,
+                        local_momentum=settings.local_momentum, second_moment=settings.second_moment,
                         min_numel=0 if chosen.kind == "lowrank" else topk.min_numel,   # low rank: its twofold rule
                         clip_grad_norm=settings.clip_grad_norm, grad_scaler=grad_scaler,
                         bucket_cap_mb=topk.bucket_cap_mb, pin=settings.pin)

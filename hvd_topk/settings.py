@@ -129,6 +129,8 @@ class OptimizerSettings:
             hierarchical, ``'layerwise'`` with artopk, auto or pins (``hvd_topk.arguments.selection_of``).
         compress: ``'gradient'`` or ``'update'`` (error feedback on every rank's own optimizer update).
         local_momentum: with ``compress='update'``, False steps the optimizer without its momentum.
+        second_moment: with ``compress='update'`` and Adam/AdamW: ``'local'`` (each rank's own) or
+            ``'frozen'`` (taken from the dense steps' averaged gradients, then held: 1-bit Adam's).
         leader: AR-Topk's leader, ``'star'`` (round robin) or ``'var'`` (largest accumulators).
         value_dtype: deprecated: ``TopKEF(values=...)`` says how split_reduce and allgather send values
             (float16 here means ``values='fp16'``, bfloat16 ``'bf16'``, float32 ``'fp32'``); artopk's and the
@@ -155,6 +157,7 @@ class OptimizerSettings:
     selection: Optional[str] = None
     compress: str = "gradient"
     local_momentum: bool = True
+    second_moment: str = "local"
     # the wire
     leader: str = "star"
     value_dtype: Optional[torch.dtype] = None

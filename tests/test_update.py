@@ -117,6 +117,49 @@ def test_bad_local_momentum_raises_value_error(hvd, kw, match):
         make(model, torch.optim.Adagrad(model.parameters()), compress="update", local_momentum=False)
 
 
+@pytest.mark.parametrize("kw,match", [
+    ({"compress": "update", "dense_steps": 3, "second_moment": "global"}, "second_moment must be one of"),
+    ({"dense_steps": 3, "second_moment": "frozen"}, "second_moment='frozen' needs compress='update' and dense_steps"),
+    ({"compress": "update", "second_moment": "frozen"}, "needs compress='update' and dense_steps >= 1 .*dense_steps=0"),
+])
+def test_bad_second_moment_raises_value_error(hvd, kw, match):
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=match):
+        make(model, torch.optim.AdamW(model.parameters()), **kw)
+    for base in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters(), amsgrad=True)):
+        with pytest.raises(ValueError, match="second_moment='frozen' needs torch.optim.Adam or AdamW without amsgrad"):
+            make(model, base, compress="update", dense_steps=3, second_moment="frozen")
+
+
+def test_frozen_second_moment_holds_the_dense_steps_moment(hvd):
+    """After the dense steps v / (1 - beta2^t) stays what it was at their end, and each compressed step
+    divides by sqrt(beta2 v^ + (1 - beta2) g^2 / (1 - beta2^t)) (hvd_topk.step.second_moment; world size 1,
+    ratio 1.0: the update is applied whole)."""
+    torch.manual_seed(0)
+    model = nn.Linear(20, 10).double()
+    lr, wd, (beta1, beta2), eps = 1e-2, 0.1, (0.9, 0.99), 1e-8
+    opt = make(model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, betas=(beta1, beta2), eps=eps),
+               compression=TopKEF(ratio=1.0, min_numel=0), communication="allgather", compress="update",
+               dense_steps=3, second_moment="frozen")
+    state = opt.state[model.weight]
+    for step in range(12):
+        w, m = model.weight.detach().clone(), (state["exp_avg"].clone() if state else None)
+        opt.zero_grad()
+        model(torch.randn(4, 20, dtype=torch.float64)).pow(2).sum().backward()
+        g = model.weight.grad.clone()
+        opt.step()
+        t = float(state["step"])
+        assert t == step + 1
+        if step == 2:
+            held = state["exp_avg_sq"] / (1 - beta2 ** t)
+        if step >= 3:
+            torch.testing.assert_close(state["exp_avg_sq"] / (1 - beta2 ** t), held, rtol=1e-13, atol=0)
+            m = beta1 * m + (1 - beta1) * g
+            denom = (beta2 * held + (1 - beta2) * g * g / (1 - beta2 ** t)).sqrt() + eps
+            expected = w * (1 - lr * wd) - lr / (1 - beta1 ** t) * m / denom
+            torch.testing.assert_close(model.weight.detach(), expected, rtol=0, atol=1e-14)
+
+
 # -- real multi-rank jobs --------------------------------------------------------------------------
 
 LOCAL_ADAM = [("artopk", "layerwise", 2, "on"), ("allgather", "layerwise", 2, "on"), ("artopk", "global", 3, "on"),
@@ -140,6 +183,42 @@ def test_params_identical_with_local_adam(results, communication, adam_job):
     # the local optimizers' states differ (each saw its own gradients); the parameters do not
     key = ("opt", "0.weight", "exp_avg")
     assert not torch.equal(ranks[0]["inner"][key], ranks[1]["inner"][key])
+
+
+FROZEN_JOB = job(2, "opt_train.py", "--compress", "update", "--optimizer", "adam", "--steps", 30, "--dense-steps", 3,
+                 "--second-moment", "frozen", "--communication", "allgather", "--ratio", 0.05, "--lr", 0.01)
+
+
+@pytest.mark.jobs([FROZEN_JOB])
+def test_frozen_second_moment_is_the_same_on_every_rank(results):
+    """The dense steps give every rank dense Adam's moments; frozen, the second stays the same on every
+    rank through the compressed steps, while the first moments (each rank's own momentum) part."""
+    ranks = results(FROZEN_JOB)
+    assert_identical_across_ranks(ranks)
+    assert not torch.equal(ranks[0]["params"]["0.weight"], ranks[0]["initial"]["0.weight"])
+    assert ranks[0]["stats"][-1]["residual_norm"] > 0
+    for name in ("0.weight", "2.weight"):
+        held = ranks[0]["inner"][("opt", name, "exp_avg_sq")]
+        assert float(held.norm()) > 0 and torch.equal(held, ranks[1]["inner"][("opt", name, "exp_avg_sq")])
+        assert not torch.equal(ranks[0]["inner"][("opt", name, "exp_avg")], ranks[1]["inner"][("opt", name, "exp_avg")])
+
+
+ADAM_DENSE = ["--optimizer", "adam", "--steps", 8, "--dtype", "float64", "--lr", 0.01, "--weight-decay", 1e-3]
+ADAM_DENSE_JOBS = (job(2, "opt_train.py", "--mode", "stock", *ADAM_DENSE),
+                   job(2, "opt_train.py", "--compress", "update", "--dense-steps", 8, *ADAM_DENSE))
+
+
+@pytest.mark.jobs(ADAM_DENSE_JOBS)
+def test_dense_steps_with_adam_reproduce_dense_horovod(results):
+    """compress='update''s dense steps average the gradients and step Adam on the average: dense Horovod's
+    Adam, moments included, on every rank."""
+    dense, ours = map(results, ADAM_DENSE_JOBS)
+    for name, value in dense[0]["params"].items():
+        torch.testing.assert_close(ours[0]["params"][name], value, rtol=1e-10, atol=1e-12)
+    for key, value in dense[0]["inner"].items():
+        for rank in ours:
+            torch.testing.assert_close(rank["inner"][key], value, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(dense[0]["params"]["0.weight"], dense[0]["initial"]["0.weight"])
 
 
 PLAIN_SGD = ["--steps", 12, "--momentum", 0, "--dtype", "float64", "--lr", 0.05]

@@ -35,6 +35,7 @@ class StepConfig(NamedTuple):
     selection: str                        # 'layerwise' or 'global'
     compress: str                         # 'gradient' or 'update'
     local_momentum: bool                  # compress='update': keep the optimizer's momentum when sparse
+    second_moment: str                    # compress='update': 'local' or 'frozen' after the dense steps
     min_numel: int                        # smaller tensors are never compressed
     clip_grad_norm: Optional[float]       # DGC local clipping, or None
     grad_scaler: object                   # torch.amp.GradScaler in use, or None

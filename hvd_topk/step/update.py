@@ -4,7 +4,13 @@ the change it made to the parameters (the update), through error feedback and th
 For Adam-type optimizers, whose per-element normalisation undoes error feedback on gradients (an
 element sent once every 100 steps moves a few steps' worth, not 100). The parameters stay identical on
 every rank: all start from the same values, put their own update back, and add the same aggregate.
+
+The dense steps (``dense_steps``) are dense Horovod's: the gradients averaged, the optimizer stepped on
+the average on every rank, so that every rank's optimizer state is dense's when compression begins (the
+frozen second moment, ``hvd_topk.step.second_moment``, is taken from it). The residuals are not touched
+there; one a resume brought along goes out with the first compressed step.
 """
+import contextlib
 import time
 import warnings
 
@@ -14,6 +20,7 @@ from horovod.torch.mpi_ops import Sum
 
 from ..transports.collectives import wait
 from .dgc import clip_local
+from .second_moment import frozen
 
 __all__ = ["update_step"]
 
@@ -40,11 +47,14 @@ def update_step(opt, closure):
     if state.clip_grad_norm is not None:
         for q in params:
             q.grad.copy_(clip_local(q.grad, state.clip_grad_norm, opt.process_set.size()))
+    if state.step < state.schedule.dense_steps:
+        return _dense_step(opt, closure, params, t0)
     before = [q.detach().clone() for q in params]
     dense = state.schedule.density(state.step) >= 1.0
     saved = [] if state.local_momentum or dense else _drop_momentum(opt.param_groups)
     try:
-        loss = super(opt.__class__, opt).step(closure)
+        with frozen(opt) if state.second_moment == "frozen" else contextlib.nullcontext():
+            loss = super(opt.__class__, opt).step(closure)
     finally:
         for group, key, value in saved:
             group[key] = value
@@ -63,6 +73,26 @@ def update_step(opt, closure):
         for q, out in outs:
             q.add_(out)
     return loss
+
+
+def _dense_step(opt, closure, params, t0):
+    """A dense step: every gradient averaged (the plain allreduce, no residual), then the wrapped
+    optimizer steps on the average, the same on every rank (dense Horovod's step)."""
+    state = opt._hvd_topk
+    started = []
+    for q in params:
+        grad = (q.grad.to_dense() if q.grad.is_sparse else q.grad).reshape(-1)
+        started.append((q, state.transports["plain"].start(opt._parameter_names.get(q), grad)))
+        state.stats.add_sent(started[-1][1].nbytes, 0.0, 0.0, dense=True)
+    averages = [(q, sent.finish().aggregate) for q, sent in started]
+    # the gradients were finite everywhere (agreed before); a sum that overflowed is not
+    state.commits.nonfinite = any(average is None for _, average in averages)
+    if state.end_step(comm_s=time.perf_counter() - t0):
+        warnings.warn("hvd_topk: an averaged gradient was non-finite; the step is skipped on every rank")
+        return None
+    for q, average in averages:
+        q.grad = average.reshape(q.shape)
+    return super(opt.__class__, opt).step(closure)
 
 
 def _drop_momentum(param_groups):

@@ -26,6 +26,7 @@ p.add_argument("--selection", default="layerwise")
 p.add_argument("--ratio", type=float, default=0.01)
 p.add_argument("--compress", choices=["gradient", "update"], default="gradient")
 p.add_argument("--local-momentum", choices=["on", "off"], default="on")
+p.add_argument("--second-moment", choices=["local", "frozen"], default="local")
 p.add_argument("--min-numel", type=int, default=64)
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--width", type=int, default=64)
@@ -106,7 +107,8 @@ else:
             warmup_steps=args.warmup_steps, dense_steps=args.dense_steps, clip_grad_norm=args.clip,
             value_dtype=None if args.value_dtype == "none" else torch.float16,
             adaptive_ratio=True if args.adaptive_ratio else None, adaptive_weight=args.adaptive_weight,
-            auto_every=args.auto_every, compress=args.compress, local_momentum=args.local_momentum == "on"))
+            auto_every=args.auto_every, compress=args.compress, local_momentum=args.local_momentum == "on",
+            second_moment=args.second_moment))
     if hvd.rank() == args.skew_clock_rank:      # decisions must not depend on one rank's timings
         opt._hvd_topk.clock = lambda: 5.0 * time.perf_counter()
 start = 0
@@ -194,8 +196,8 @@ result = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}
           "where": {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
                     "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
                     "cross_size": hvd.cross_size(), "hostname": host}}
+result["inner"] = inner_state(opt)
 if args.mode == "hvd_topk":
     result["state"] = opt.state_dict()["hvd_topk"]
     result["auto"] = opt.auto_state()
-    result["inner"] = inner_state(opt)
 torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))
