@@ -132,7 +132,7 @@ def test_validation_windows_are_fixed():
 TWO_RANK_FLAGS = [["--compression", "topkef"],
                   ["--compression", "hvd_topk", "--non-iid"],
                   ["--compression", "hvd_topk", "--compress", "update", "--dense-steps", "5", "--local-momentum", "off",
-                   "--communication", "allgather"]]
+                   "--second-moment", "frozen", "--communication", "allgather"]]
 
 
 @pytest.mark.parametrize("flags,lm_job", [
@@ -149,6 +149,7 @@ def test_two_rank_job(results, flags, lm_job):
     assert r["params_identical"] is True
     assert r["compress"] == ("update" if "update" in flags else "gradient" if "hvd_topk" in flags else None)
     assert r["local_momentum"] == ("off" if "off" in flags else "on" if "hvd_topk" in flags else None)
+    assert r["second_moment"] == ("frozen" if "frozen" in flags else "local" if "hvd_topk" in flags else None)
     assert r["steps"] == 10 and len(r["step_times_s"]) == 10
     assert [p["step"] for p in r["curve"]] == [5, 10]
     assert math.isfinite(r["test_loss"]) and r["test_loss"] < math.log(256) - 0.25
