@@ -9,7 +9,7 @@ Launch (2 ranks, Gloo, on this machine):
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk --ratio 0.01
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk --ratio 0.01 \
         --compress update --local-momentum off --communication allgather \
-        --dense-steps 50 --second-moment frozen        # each rank's AdamW update, Adam's second moment held
+        --dense-steps 20 --second-moment frozen        # each rank's AdamW update, Adam's second moment held
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression topkef --non-iid
     horovodrun -np 2 -H localhost:2 --gloo python examples/char_lm.py --compression hvd_topk_powersgd --powersgd-rank 4
     horovodrun -np 4 -H localhost:4 --gloo python examples/char_lm.py --n-layer 6 --d-model 256 \

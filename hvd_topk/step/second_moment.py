@@ -8,7 +8,9 @@ rank count as dense Adam's does. Averaging those ranks' updates uncompressed end
 loss on the LM at 4 ranks (docs/optimizer.md). The dense steps step Adam on the averaged gradient
 (``hvd_topk.step.update``), so at their end every rank holds dense Adam's moments; held from then on, the
 second moment stays dense Adam's and the same on every rank, and a rank's update is linear in its
-gradient (with the momentum kept, the mean of the ranks' updates is Adam's with that moment).
+gradient (with the momentum kept, the mean of the ranks' updates is Adam's with that moment). Measured
+on the LM (docs/optimizer.md): with β1 = 0 (``local_momentum=False``) the recipe then ends at or under
+dense's loss; the freeze alone, nothing compressed and β1 kept, ends above it.
 
 How, without writing Adam again: torch's Adam and AdamW divide by sqrt(v / (1 − β2^t)), v updated from
 the step's gradient first. Before each compressed step v is scaled so that v / (1 − β2^t) is the frozen
