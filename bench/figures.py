@@ -21,6 +21,7 @@ from hvd_topk.core.wire import FLAG_BYTES, FRAME_BYTES, HIST_BYTES
 from hvd_topk.settings import TopKSettings
 from hvd_topk.step.op_token import TOKEN_SIZE
 from hvd_topk.transports.index_sets import PLAN_HEADER
+from hvd_topk.transports.split_reduce import budget_at
 
 from bench.arms import DENSE, FIXED_TRANSPORTS, TOPKEF_ARGS, parse_arm
 
@@ -33,7 +34,7 @@ AUTO_TARGET = 0.05          # auto's median step within 5% of the fastest fixed 
 
 
 def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_kind="bf16", door="optimizer",
-                      bucket_cap_mb=25.0, budget=1.0, sync_indices=False):
+                      bucket_cap_mb=25.0, budget=None, sync_indices=False):
     """Bytes per rank per step (a float, 0 at N = 1) that ``scheme`` must put on the link (payload only: no
     TCP/IP headers, no Horovod control plane), from the gradients' shapes, once the buckets are planned.
 
@@ -65,7 +66,7 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_kind="bf16
     artopk       as topkef (hvd_topk.DistributedOptimizer's AR-Topk)
     allgather    (N-1) * (8 + 4|b| + msg(K_b, S_b)) per bucket: every rank's frame and message to every other
     split_reduce 1-2 ranks: as allgather (one allgather). From 3, per bucket, owner o getting K_o of the K_b
-                 entries and keeping M_o of at most M_b = sum of max(k, int(budget * k)), each split evenly:
+                 entries and keeping M_o of at most M_b = sum of max(k, int(b k)) (b: budget_at), split evenly:
                  (N-1)/N * sum_o (8 + 4|b| + msg(K_o, S_b)) (alltoall of a frame and message per owner) +
                  ring * 520|b| (130-int32 histogram rows) + (N-1)/N * sum_o msg(M_o, S_b) (allgatherv)
     ============ ===========================================================================================
@@ -130,7 +131,7 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_kind="bf16
         if scheme == "allgather" or n <= 2:                 # one allgather of equal blocks
             total += (n - 1) * (frame + packed_nbytes(entries, span, value_kind))
             continue
-        kept = sum(min(numel, max(k, int(budget * k))) for numel, k in (sparse[i] for i in bucket))
+        kept = sum(min(numel, max(k, int(budget_at(budget, n) * k))) for numel, k in (sparse[i] for i in bucket))
         # alltoall of a frame and message per owner (its own off the link), allreduce of the histogram
         # rows, allgatherv of each owner's kept sums (a message, no frame); owner o gets its even share
         total += share * sum(frame + packed_nbytes(entries // n + (o < entries % n), span, value_kind)
@@ -143,10 +144,8 @@ def scheme_of(name, arm):
     """The ``theoretical_bytes`` scheme of arm ``name`` (its record ``arm``), or None (hierarchical,
     PowerSGD, or auto with a mix of transports)."""
     entry, overrides = parse_arm(name)
-    if entry in ("horovod dense", "ddp"):
-        return "dense"
-    if entry in ("horovod fp16", "ddp fp16"):
-        return "fp16"
+    if entry in ("horovod dense", "ddp", "horovod fp16", "ddp fp16"):
+        return "fp16" if entry.endswith("fp16") else "dense"
     words = entry.split()
     comm = overrides.get("communication", words[1] if len(words) > 1 else "split_reduce")
     if words[0] == "topkef":            # stock Horovod: artopk shares its index sets its own way

@@ -66,8 +66,9 @@ def add_compression_args(parser):
                         "compressed across hosts; needs HOROVOD_DYNAMIC_PROCESS_SETS=1), lowrank (PowerSGD's P's and Q's "
                         "allreduced), dense, or auto (chosen per tensor from a probe of the link and timed trials)")
     g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
-    g.add_argument("--budget", type=float, default=1.0,
-                   help="topkef and hvd_topk: split_reduce keeps the largest budget * k summed entries (>= 1)")
+    g.add_argument("--budget", type=float, default=None,
+                   help="topkef and hvd_topk: split_reduce keeps the largest budget * k summed entries (>= 1; "
+                        "default: one k per 4 ranks, at least 1)")
     g.add_argument("--selection", choices=["layerwise", "global"], default=None,
                    help="hvd_topk: top-k per tensor, or over all compressed tensors at once "
                         "(default: global, per tensor with artopk, auto or pins)")

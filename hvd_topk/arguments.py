@@ -41,7 +41,8 @@ def check_topk_settings(settings):
                                   what="(fraction of elements kept)"),
             "min_numel": check_int("min_numel", settings.min_numel),
             "communication": check_choice("communication", settings.communication, STOCK_COMMUNICATIONS),
-            "budget": check_number("budget", settings.budget, low=1, what="(multiple of k kept by split_reduce)"),
+            "budget": None if settings.budget is None else
+            check_number("budget", settings.budget, low=1, what="(multiple of k kept by split_reduce), or None"),
             "sync_indices": bool(settings.sync_indices),
             "values": check_choice("values", settings.values, VALUES),
             "bucket_cap_mb": check_number("bucket_cap_mb", settings.bucket_cap_mb, low=0,

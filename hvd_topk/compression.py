@@ -86,7 +86,7 @@ class TopKEF(CompressorDoor):
             order Horovod compresses in; without it, by position in the step (the same on every step and rank).
         process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
         budget: split_reduce keeps the largest ``budget * k`` summed entries (>= 1): room where the ranks'
-            top-k sets disagree (non-IID data).
+            top-k sets disagree (non-IID data). None (default): one k per 4 ranks, at least 1.
         values: ``'bf16'`` (default), ``'fp16'`` or ``'fp32'``: how split_reduce and allgather send float32
             values (about 4 bytes per kept entry in 16 bits; ``'fp32'`` keeps them exact); the rounding
             stays in the residual.
@@ -111,7 +111,7 @@ class TopKEF(CompressorDoor):
     settings = TopKSettings()        # the class's own: what ``compression=TopKEF`` means
 
     def __init__(self, ratio=0.01, min_numel=1024, sync_indices=False, named_parameters=None,
-                 process_set=mpi_ops.global_process_set, communication="split_reduce", budget=1.0, values="bf16",
+                 process_set=mpi_ops.global_process_set, communication="split_reduce", budget=None, values="bf16",
                  bucket_cap_mb=25.0, selection=None):
         settings = TopKSettings(ratio, min_numel, communication, budget, sync_indices, values, bucket_cap_mb,
                                 selection)

@@ -40,7 +40,8 @@ class TopKSettings(CompressorSettings):
         ratio: fraction of elements kept per tensor, in (0, 1]; 1.0 sends everything.
         min_numel: tensors with fewer elements go dense, int >= 0.
         communication: the transport, one of ``hvd_topk.arguments.STOCK_COMMUNICATIONS``.
-        budget: split_reduce keeps the largest ``budget * k`` summed entries, >= 1.
+        budget: split_reduce keeps the largest ``budget * k`` summed entries, >= 1; None (default): one k
+            per 4 ranks of the exchange, at least 1 (``hvd_topk.transports.split_reduce.budget_at``).
         sync_indices: artopk: share the current step's index set by a blocking broadcast.
         values: how split_reduce and allgather send float32 values: ``'bf16'`` (default), ``'fp16'`` (with a
             power-of-two scale per message, so nothing overflows) or ``'fp32'`` (exact; the 8-byte-entry
@@ -60,7 +61,7 @@ class TopKSettings(CompressorSettings):
     ratio: float = 0.01
     min_numel: int = 1024
     communication: str = "split_reduce"
-    budget: float = 1.0
+    budget: Optional[float] = None
     sync_indices: bool = False
     values: str = "bf16"
     bucket_cap_mb: float = 25.0

@@ -57,6 +57,26 @@ def _records(ranks):
     return [res["records"] for res in ranks]
 
 
+def _assert_exact_error_feedback(per_rank, name, steps):
+    """Every step, on every rank: what left the rank (acc - new residual) is its whole acc on the
+    aggregate's support and zero elsewhere, and the ranks' sent entries add up to the aggregate."""
+    ranks = len(per_rank)
+    previous = [torch.zeros(per_rank[0][0]["local"][name].numel(), dtype=torch.float64) for _ in range(ranks)]
+    for t in range(steps):
+        aggregate = per_rank[0][t]["aggregate"][name].reshape(-1)
+        support = aggregate != 0
+        sent_sum = torch.zeros_like(aggregate)
+        for r in range(ranks):
+            acc = per_rank[r][t]["local"][name].reshape(-1) + previous[r]
+            residual = per_rank[r][t]["residual"][name]
+            sent = acc - residual
+            assert torch.all(sent[~support] == 0), f"rank {r} step {t}: sent outside the aggregate"
+            assert torch.all((residual == 0) | (residual == acc)), f"rank {r} step {t}: partly sent"
+            sent_sum += sent
+            previous[r] = residual
+        torch.testing.assert_close(sent_sum, aggregate * ranks, rtol=1e-12, atol=1e-12)
+
+
 SKEWED = job(3, "split_reduce.py", "--skew", "--steps", 12)
 
 
@@ -94,25 +114,30 @@ def test_skewed_gradients_give_the_exact_global_topk_and_exact_error_feedback(re
         mask = torch.zeros_like(total, dtype=torch.bool)
         mask[list(top)] = True
         torch.testing.assert_close(aggregate, torch.where(mask, expected, 0.0) / ranks, rtol=0, atol=1e-15)
-        # error feedback, every step, every rank
-        previous = [torch.zeros_like(total) for _ in range(ranks)]
-        for t in range(12):
-            aggregate = per_rank[0][t]["aggregate"][name].reshape(-1)
-            support = aggregate != 0
-            sent_sum = torch.zeros_like(total)
-            for r in range(ranks):
-                acc = per_rank[r][t]["local"][name].reshape(-1) + previous[r]
-                residual = per_rank[r][t]["residual"][name]
-                sent = acc - residual
-                assert torch.all(sent[~support] == 0), f"rank {r} step {t}: sent outside the aggregate"
-                assert torch.all((residual == 0) | (residual == acc)), f"rank {r} step {t}: partly sent"
-                sent_sum += sent
-                previous[r] = residual
-            torch.testing.assert_close(sent_sum, aggregate * ranks, rtol=1e-12, atol=1e-12)
+        _assert_exact_error_feedback(per_rank, name, 12)
     imbalance = [rec["stats"]["split_imbalance"] for rec in per_rank[0]]
     assert imbalance[0] == pytest.approx(3.0)
     assert max(imbalance[5:]) < 1.6, imbalance
     assert all(rec["stats"]["split_kept"] <= 2 * max(1, int(-(-0.02 * 2000 // 1))) for rec in per_rank[0])
+
+
+EIGHT_RANKS = job(8, "split_reduce.py", "--steps", 6)
+
+
+@pytest.mark.jobs(EIGHT_RANKS)
+def test_eight_ranks_keep_two_k_of_the_sums_by_default_with_exact_error_feedback(results):
+    """8 ranks (oversubscribed), float64, every rank's own noise: the ranks nominate up to 8k distinct
+    entries per tensor, and the default budget (one k per 4 ranks, ``budget_at``) keeps more than k and
+    at most 2k of their sums; aggregates identical on every rank, error feedback exact."""
+    per_rank = _records(results(EIGHT_RANKS))
+    assert len(per_rank) == 8
+    for name in ("a", "b"):
+        k = max(1, int(-(-0.02 * per_rank[0][0]["local"][name].numel() // 1)))
+        for t in range(6):
+            aggregates = [rec[t]["aggregate"][name] for rec in per_rank]
+            assert all(torch.equal(a, aggregates[0]) for a in aggregates[1:]), (name, t)
+            assert k < int(aggregates[0].count_nonzero()) <= 2 * k, (name, t, k)
+        _assert_exact_error_feedback(per_rank, name, 6)
 
 
 @pytest.mark.parametrize("agreeing", [

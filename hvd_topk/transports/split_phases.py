@@ -103,7 +103,7 @@ def gathered(sr, name, items):
         candidates, sums = summed[item["kind"]]
         part = _key_slice(candidates, starts[i], n)
         candidates, sums = candidates[part] - starts[i], sums[part].to(acc.dtype)
-        most = max(item["k"], int(sr.budget * item["k"]))
+        most = sr.most(item["k"])
         if candidates.numel() > most:
             chosen = topk_indices(sums, most)
             candidates, sums = candidates[chosen], sums[chosen]
@@ -188,7 +188,7 @@ def _keep(sr, keys, items, starts, total, hist, reduced):
             kept[key] = None
             continue
         candidates, sums, bins, counts = reduced[key]
-        keep = owners_share(hist[i, :-2], counts, bins, sums, max(item["k"], int(sr.budget * item["k"])))
+        keep = owners_share(hist[i, :-2], counts, bins, sums, sr.most(item["k"]))
         kept[key] = [candidates[keep], sums[keep]]
         by_kind[item["kind"]].append((key, candidates[keep] + starts[i], sums[keep].to(wire_dtype(item["kind"]))))
     messages = []

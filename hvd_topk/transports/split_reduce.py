@@ -40,7 +40,26 @@ from .base import Outcome, Started
 from .fused import Buckets
 from .split_phases import HIST_BINS, gathered, histogram_row, magnitude_bins, owned, owners_share, sum_candidates
 
-__all__ = ["SplitReduce", "HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "sum_candidates"]
+__all__ = ["SplitReduce", "budget_at", "HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "sum_candidates"]
+
+
+# ``budget=None`` keeps one k per this many ranks of the exchange (at least k): the summed candidates grow
+# with the ranks, the more so where their data differ. Measured on the digits CNN, 3 seeds: at 8 ranks on
+# non-IID data budget 2 ended within a point of dense where 1 ended 1.3-1.4 points under; at 4 ranks on
+# the MLP budget 2 bought little for 1.36x the bytes; at 16 ranks budget 4 closed most of a 7-point gap
+# (docs/studies/2026-11-accuracy-8-16-ranks.md).
+RANKS_PER_K = 4
+
+
+def budget_at(budget, ranks):
+    """The multiple of k split_reduce keeps among ``ranks`` ranks: ``budget``, or where it is None
+    ``ranks / RANKS_PER_K``, at least 1.
+
+    Example:
+        >>> budget_at(None, 4), budget_at(None, 8), budget_at(None, 12), budget_at(3.0, 8)
+        (1.0, 2.0, 3.0, 3.0)
+    """
+    return float(budget) if budget is not None else max(1.0, ranks / RANKS_PER_K)
 
 
 class SplitReduce:
@@ -55,14 +74,19 @@ class SplitReduce:
         stats: ``StepStats`` that records phases, rows kept and the regions' imbalance, or None.
         mismatch_hint: what the error says to do when the ranks sent other tensors under one key
             (``TopKEF`` without names: the ranks' orders differ).
-        budget: how many of the summed candidates are kept, as a multiple of k (>= 1).
+        budget: how many of the summed candidates are kept, as a multiple of k (>= 1), or None: one k
+            per ``RANKS_PER_K`` ranks (``budget_at``).
     """
 
-    def __init__(self, collectives, average, regions, name, values="bf16", stats=None, mismatch_hint="", budget=1.0):
+    def __init__(self, collectives, average, regions, name, values="bf16", stats=None, mismatch_hint="", budget=None):
         self.collectives, self.average, self.regions = collectives, average, regions
         self.name, self.values, self.stats = name, values, stats
         self.mismatch_hint, self.budget = mismatch_hint, budget
         self.buckets = Buckets(name, self._phases, stats)
+
+    def most(self, k):
+        """How many of a key's summed candidates are kept, for its ``k`` among today's ranks."""
+        return max(k, int(budget_at(self.budget, self.collectives.process_set.size()) * k))
 
     def drain(self, until):
         """Advance the buckets in flight until done or ``until`` (``Buckets.drain``); never blocks."""
