@@ -44,10 +44,10 @@ __all__ = ["SplitReduce", "budget_at", "HIST_BINS", "magnitude_bins", "owners_sh
 
 
 # ``budget=None`` keeps one k per this many ranks of the exchange (at least k): the summed candidates grow
-# with the ranks, the more so where their data differ. Measured on the digits CNN, 3 seeds: at 8 ranks on
-# non-IID data budget 2 ended within a point of dense where 1 ended 1.3-1.4 points under; at 4 ranks on
-# the MLP budget 2 bought little for 1.36x the bytes; at 16 ranks budget 4 closed most of a 7-point gap
-# (docs/studies/2026-11-accuracy-8-16-ranks.md).
+# with the ranks, the more so where their data differ. Measured (docs/studies/2026-11-accuracy-8-16-ranks.md,
+# 2026-11-steps-to-target.md run 10): the digits CNN at 8 ranks, non-IID, 3 seeds: budget 2 ended within a
+# point of dense where 1 ended 1.2-1.4 under; the MLP at 4 ranks: budget 2 took 1.55x dense's steps against
+# 1.65x, for 1.36x the bytes; the digits CNN at 16 ranks, one seed: budget 4 narrowed a 5.6-point gap to 3.9.
 RANKS_PER_K = 4
 
 
