@@ -66,7 +66,7 @@ def theoretical_bytes(scheme, tensors, min_numel, ratio, ranks, value_kind="bf16
     artopk       as topkef (hvd_topk.DistributedOptimizer's AR-Topk)
     allgather    (N-1) * (8 + 4|b| + msg(K_b, S_b)) per bucket: every rank's frame and message to every other
     split_reduce 1-2 ranks: as allgather (one allgather). From 3, per bucket, owner o getting K_o of the K_b
-                 entries and keeping M_o of at most M_b = sum of max(k, int(b k)) (b: budget_at), split evenly:
+                 entries and keeping M_o of at most M_b = sum of max(k, int(budget_at(budget, N) k)), evenly:
                  (N-1)/N * sum_o (8 + 4|b| + msg(K_o, S_b)) (alltoall of a frame and message per owner) +
                  ring * 520|b| (130-int32 histogram rows) + (N-1)/N * sum_o msg(M_o, S_b) (allgatherv)
     ============ ===========================================================================================
