@@ -17,11 +17,10 @@ from hvd_topk.core.buckets import cap_numel, plan_buckets
 from hvd_topk.core.codec import VALUE_KINDS, packed_nbytes
 from hvd_topk.core.sparsify import k_for
 from hvd_topk.core.validate import check_choice
-from hvd_topk.core.wire import FLAG_BYTES, FRAME_BYTES, HIST_BYTES
+from hvd_topk.core.wire import FLAG_BYTES, FRAME_BYTES, HIST_BYTES, budget_at
 from hvd_topk.settings import TopKSettings
 from hvd_topk.step.op_token import TOKEN_SIZE
 from hvd_topk.transports.index_sets import PLAN_HEADER
-from hvd_topk.transports.split_reduce import budget_at
 
 from bench.arms import DENSE, FIXED_TRANSPORTS, TOPKEF_ARGS, parse_arm
 

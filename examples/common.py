@@ -68,7 +68,7 @@ def add_compression_args(parser):
     g.add_argument("--leader", choices=["star", "var"], default="star", help="hvd_topk: AR-Topk leader")
     g.add_argument("--budget", type=float, default=None,
                    help="topkef and hvd_topk: split_reduce keeps the largest budget * k summed entries (>= 1; "
-                        "default: one k per 4 ranks, at least 1)")
+                        "default: one k per 4 ranks, between 1 and 4)")
     g.add_argument("--selection", choices=["layerwise", "global"], default=None,
                    help="hvd_topk: top-k per tensor, or over all compressed tensors at once "
                         "(default: global, per tensor with artopk, auto or pins)")

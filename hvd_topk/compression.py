@@ -86,7 +86,7 @@ class TopKEF(CompressorDoor):
             order Horovod compresses in; without it, by position in the step (the same on every step and rank).
         process_set: the optimizer's ``process_set``, if it has one: the transport runs within it.
         budget: split_reduce keeps the largest ``budget * k`` summed entries (>= 1): room where the ranks'
-            top-k sets disagree (non-IID data). None (default): one k per 4 ranks, at least 1.
+            top-k sets disagree (non-IID data). None (default): one k per 4 ranks, between 1 and 4.
         values: ``'bf16'`` (default), ``'fp16'`` or ``'fp32'``: how split_reduce and allgather send float32
             values (about 4 bytes per kept entry in 16 bits; ``'fp32'`` keeps them exact); the rounding
             stays in the residual.

@@ -41,7 +41,7 @@ class TopKSettings(CompressorSettings):
         min_numel: tensors with fewer elements go dense, int >= 0.
         communication: the transport, one of ``hvd_topk.arguments.STOCK_COMMUNICATIONS``.
         budget: split_reduce keeps the largest ``budget * k`` summed entries, >= 1; None (default): one k
-            per 4 ranks of the exchange, at least 1 (``hvd_topk.transports.split_reduce.budget_at``).
+            per 4 ranks of the exchange, between 1 and 4 (``hvd_topk.core.wire.budget_at``).
         sync_indices: artopk: share the current step's index set by a blocking broadcast.
         values: how split_reduce and allgather send float32 values: ``'bf16'`` (default), ``'fp16'`` (with a
             power-of-two scale per message, so nothing overflows) or ``'fp32'`` (exact; the 8-byte-entry

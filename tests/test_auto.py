@@ -19,6 +19,8 @@ from hvd_topk.auto.plans import (TRANSPORTS, Costs, HostLink, costs_from_data, c
 from hvd_topk.auto.recheck import choose_ratio
 from hvd_topk.auto.tuner import AutoTuner
 from hvd_topk.core.sparsify import topk_energies
+from hvd_topk.core.wire import CODEC_ENTRY_BYTES
+from hvd_topk.transports.split_reduce import SplitReduce
 
 from testbed.pytest_jobs import job
 
@@ -99,6 +101,16 @@ def test_hierarchical_is_modelled_across_hosts_only_and_wins_where_the_link_betw
     assert {"w": "hierarchical"} not in trial_plans({"w": 10**7}, 0.01, 4, flat)
 
 
+def test_the_model_prices_split_reduces_gather_at_its_budget():
+    """Costs.budget (TopKSettings'): None, the default, gathers one k per 4 ranks; a number as given."""
+    k1, default, four = (tensor_seconds(10**6, 0.01, 8, SLOW._replace(budget=b))["split_reduce"] for b in (1, None, 4))
+    entries = 10**6 * 0.01 * CODEC_ENTRY_BYTES["bf16"]      # Mc·e/4 bytes at 4-byte values
+    assert default - k1 == pytest.approx(7 / 8 * entries * SLOW.beta, rel=1e-9)          # 2k at 8 ranks
+    assert four - k1 == pytest.approx(3 * 7 / 8 * entries * SLOW.beta, rel=1e-9)
+    assert tensor_seconds(10**6, 0.01, 4, SLOW) == tensor_seconds(10**6, 0.01, 4, SLOW._replace(budget=1))
+    assert costs_from_data(costs_to_data(SLOW._replace(budget=2.0))).budget == 2.0
+
+
 def test_costs_with_both_links_survive_a_checkpoint_and_old_ones_load():
     assert costs_from_data(costs_to_data(ACROSS)) == ACROSS
     assert costs_from_data(costs_to_data(SLOW)) == SLOW and costs_from_data(None) is None
@@ -108,6 +120,7 @@ def test_costs_with_both_links_survive_a_checkpoint_and_old_ones_load():
 
 class State:                                          # what the tuner reads of the optimizer
     sparse_numels, ratio, communication = {"w": 4096}, 0.01, "artopk"
+    transports = {"split_reduce": SplitReduce(None, True, None, "state")}      # its budget: the default
     clock = staticmethod(time.perf_counter)
 
     @staticmethod

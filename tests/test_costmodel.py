@@ -108,6 +108,16 @@ def test_split_reduce_bytes_per_rank_are_flat_in_workers():
     assert predict(1024, 1e8, 0.01, alpha=1.0, beta=0.0)["split_reduce"] == 4 * 1023
 
 
+def test_split_reduce_gathers_kept_times_k():
+    # Bandwidth term alone: the alltoall carries (N−1)/N·Mc(1+r), the gather kept times that; the
+    # histogram's ring allreduce stays. kept = 1 is the formula of every other test here.
+    one, two = (predict(8, 4e6, 0.01, alpha=0.0, beta=1e-8, kept=kept)["split_reduce"] for kept in (1, 2))
+    assert two - one == pytest.approx(7 / 8 * 4e6 * 0.01 * 2 * 1e-8, rel=1e-12)
+    assert one == pytest.approx(2 * 7 / 8 * (4e6 * 0.01 * 2 + HIST_BYTES) * 1e-8, rel=1e-12)
+    with pytest.raises(ValueError, match=r"kept must be a finite number >= 1"):
+        predict(8, 4e6, 0.01, alpha=0.0, beta=1e-8, kept=0.5)
+
+
 def test_packed_entries_price_allgather_and_split_reduce_at_their_bytes():
     # 4-byte entries (bf16 value, 16-bit index offset) of fp32 values: Mc·4/4 = Mc bytes, half of the
     # (value, int32 index) rows' 2Mc; artopk's dense k-vector is not packed

@@ -24,10 +24,11 @@ artopk_ring    α[2(N−1) + log N] + Mcβ[2(N−1)/N + r·log N]  broadcast of 
                                                             values (Mc bytes)
 artopk_tree    3α·log N + Mcβ·log N·(2 + r)                 the same with a tree allreduce
                                                             (published: 3Mcβ·log N for r = 1)
-split_reduce   4(N−1)α + 2(N−1)/N·Mc(1+r)β + 2(N−1)/N·Hβ    Ok-Topk's split and reduce: alltoall
-                                                            of the rows to their region's owner,
+split_reduce   4(N−1)α + (N−1)/N·Mc(1+r)(1+b)β              Ok-Topk's split and reduce: alltoall
+               + 2(N−1)/N·Hβ                                of the rows to their region's owner,
                                                             ring allreduce of an H-byte histogram,
-                                                            ring allgatherv of the ~k kept rows
+                                                            ring allgatherv of the ~b·k kept rows
+                                                            (b: ``kept``, the budget; 1 by default)
 =============  ===========================================  =====================================
 
 With one worker there is nothing to communicate and every time is 0.
@@ -49,7 +50,8 @@ COLLECTIVES = ("dense_ring", "dense_tree", "artopk_ring", "artopk_tree", "split_
 _TIE_RTOL = 1e-9
 
 
-def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYTES, value_bytes=4, entry_bytes=None):
+def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BYTES, value_bytes=4, entry_bytes=None,
+            kept=1.0):
     """Modelled communication seconds of every collective (docs/costmodel.md, module docstring).
 
     Args:
@@ -64,6 +66,8 @@ def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BY
             ``index_bytes / value_bytes`` enters, since ``M·c`` already counts the values.
         entry_bytes: bytes per kept entry of allgather and split_reduce (packed: 4 for bf16 values),
             > 0; None: a value and an index, ``value_bytes + index_bytes``.
+        kept: split_reduce's gathered entries as a multiple of k (its budget, ``hvd_topk.core.wire.budget_at``),
+            >= 1.
 
     Returns:
         dict name -> seconds (float) for ``"dense_ring"``, ``"dense_tree"``, ``"allgather"``,
@@ -75,6 +79,7 @@ def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BY
         (0.00156, 8e-05)
     """
     n, m, c, a, b, r = _check(n_workers, message_bytes, density, alpha, beta, index_bytes, value_bytes)
+    kept = check_number("kept", kept, low=1, what="(multiple of k gathered by split_reduce)")
     if n == 1:
         return {name: 0.0 for name in COLLECTIVES}
     log_n = math.log2(n)
@@ -88,9 +93,9 @@ def predict(n_workers, message_bytes, density, alpha, beta, index_bytes=INDEX_BY
         "allgather": a * log_n + entries * b * (n - 1),
         "artopk_ring": a * (2 * (n - 1) + log_n) + mc * b * (ring + r * log_n),
         "artopk_tree": 3 * a * log_n + mc * b * log_n * (2 + r),
-        # alltoall (N−1 messages) and ring allgatherv (N−1) each carry (N−1)/N of the ~k entries per
-        # rank; the histogram's ring allreduce takes 2(N−1) messages. Frames and headers are left out.
-        "split_reduce": 4 * (n - 1) * a + ring * (entries + HIST_BYTES) * b,
+        # alltoall (N−1 messages) and ring allgatherv (N−1) carry (N−1)/N of the ~k and ~kept·k entries
+        # per rank; the histogram's ring allreduce takes 2(N−1) messages. Frames and headers are left out.
+        "split_reduce": 4 * (n - 1) * a + ((n - 1) / n * entries * (1 + kept) + ring * HIST_BYTES) * b,
     }
     if n <= 2:                   # split_reduce's two-rank path: one allgather of every rank's entries
         times["split_reduce"] = times["allgather"]

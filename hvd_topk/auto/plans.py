@@ -14,6 +14,8 @@ selection and π the seconds per element of one pass over the accumulator (the l
 each rank selects 1/N of the tensors). split_reduce and allgather are priced at ``ENTRY_BYTES`` per kept
 entry (bf16 values and 16-bit index offsets, the transports' default); their latency per tensor, though
 they send a bucket of tensors per collective, so the model overprices them where buckets hold many.
+split_reduce's gather is priced at the sums its owners keep: ``budget_at(costs.budget, N)`` times k
+(``Costs.budget``, TopKSettings' budget; over H ranks across the hosts).
 
 A job across H hosts of L ranks each (``HostLink``, probed over the host sets and the cross sets of
 ``hvd_topk.transports.host_sets``) also has ``hierarchical``, with the host link's α_h, β_h and the
@@ -44,7 +46,7 @@ from typing import NamedTuple, Optional
 
 from . import costmodel
 from .quality import kept_fraction, plan_gain
-from ..core.wire import CODEC_ENTRY_BYTES, INDEX_BYTES
+from ..core.wire import CODEC_ENTRY_BYTES, INDEX_BYTES, budget_at
 
 # allgather and split_reduce pack each entry in bf16 and a 16-bit index offset (TopKSettings' default
 # values; hvd_topk.core.codec): the bytes the cost model prices for them
@@ -88,6 +90,7 @@ class Costs(NamedTuple):
     pass_s: float           # s per element of one pass over the accumulator
     hosts: Optional[HostLink] = None       # a job across equal hosts: hierarchical is modelled too
     matmul_s: float = 0.0   # s per multiply-add of a thin matrix product (low rank's M Q and M^T P)
+    budget: Optional[float] = None         # TopKSettings.budget: the sums split_reduce gathers (budget_at)
 
 
 def transports_of(costs, lowrank=None):
@@ -105,23 +108,23 @@ def link_figures(costs):
 def costs_to_data(costs):
     """``Costs`` (or None) as plain tuples, for a checkpoint."""
     return None if costs is None else \
-        tuple(costs[:4]) + (None if costs.hosts is None else tuple(costs.hosts), costs.matmul_s)
+        tuple(costs[:4]) + (None if costs.hosts is None else tuple(costs.hosts), costs.matmul_s, costs.budget)
 
 
 def costs_from_data(data):
-    """The ``Costs`` of ``costs_to_data``'s tuples (an older checkpoint's four or five numbers too)."""
+    """The ``Costs`` of ``costs_to_data``'s tuples (an older checkpoint's four to six too)."""
     if data is None:
         return None
     hosts = data[4] if len(data) > 4 else None
     return Costs(*data[:4], hosts=None if hosts is None else HostLink(*hosts),
-                 matmul_s=data[5] if len(data) > 5 else 0.0)
+                 matmul_s=data[5] if len(data) > 5 else 0.0, budget=data[6] if len(data) > 6 else None)
 
 
 def tensor_seconds(numel, density, n_workers, costs, value_bytes=4, lowrank=None):
     """Modelled seconds of each transport for one tensor (module docstring). dict transport -> s, in
     ``transports_of`` order; ``lowrank``: the tensor's (n, m, r), or None where low rank is no candidate."""
-    t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta,
-                          index_bytes=INDEX_BYTES, value_bytes=value_bytes, entry_bytes=ENTRY_BYTES)
+    t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta, index_bytes=INDEX_BYTES,
+                          value_bytes=value_bytes, entry_bytes=ENTRY_BYTES, kept=budget_at(costs.budget, n_workers))
     select, sweep = costs.select_s * numel, costs.pass_s * numel
     seconds = {"dense": t["dense_ring"],
                "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep,
@@ -154,7 +157,8 @@ def hierarchical_seconds(numel, density, costs, value_bytes=4):
     per_host, m, r = link.per_host, numel * value_bytes, INDEX_BYTES / value_bytes
     scatter = (per_host - 1) * (link.host_alpha + m / per_host * link.host_beta)
     cross = costmodel.predict(link.hosts, m / per_host, density, link.cross_alpha, link.cross_beta,
-                              index_bytes=INDEX_BYTES, value_bytes=value_bytes, entry_bytes=ENTRY_BYTES)["split_reduce"]
+                              index_bytes=INDEX_BYTES, value_bytes=value_bytes, entry_bytes=ENTRY_BYTES,
+                              kept=budget_at(costs.budget, link.hosts))["split_reduce"]
     gather = 2 * link.host_alpha * math.log2(per_host) + \
         (per_host - 1) * m * density / per_host * (1 + 2 * r) * link.host_beta
     return scatter + cross + gather + costs.select_s * numel / per_host + 2 * costs.pass_s * numel

@@ -1,11 +1,12 @@
 """Sizes on the wire that the transports and the cost model share (no torch, no Horovod).
 
-The cost model (``hvd_topk.auto.costmodel``) prices the bytes the transports send; both read these, so
-a change to a transport's message changes its price too.
+The cost model (``hvd_topk.auto.costmodel``) prices the bytes the transports send; both read these (and
+``budget_at``: how many of split_reduce's sums its owners gather), so a change to a transport's message
+changes its price too.
 """
 __all__ = ["INDEX_BYTES", "HIST_BINS", "HIST_BYTES", "CODEC_BLOCK", "CODEC_HEADER_BYTES", "CODEC_OFFSET_BYTES",
            "CODEC_VALUE_BYTES", "CODEC_ENTRY_BYTES", "FRAME_BYTES",
-           "FLAG_BYTES", "LOWRANK_VALUE_BYTES"]
+           "FLAG_BYTES", "LOWRANK_VALUE_BYTES", "RANKS_PER_K", "MAX_BUDGET", "budget_at"]
 
 INDEX_BYTES = 4        # the sparse transports send int32 indices: half the bytes of int64
 HIST_BINS = 128        # split_reduce's magnitude histogram: 32 octaves below the largest possible sum
@@ -27,3 +28,23 @@ FRAME_BYTES = 8
 FLAG_BYTES = 4
 # Low rank's P and Q values of a float32 gradient, by PowerSGDSettings.values (hvd_topk.transports.lowrank_wire)
 LOWRANK_VALUE_BYTES = {"fp16": 2, "fp32": 4}
+
+# ``budget=None`` keeps one k per RANKS_PER_K ranks of the exchange, at least 1 and at most MAX_BUDGET: the
+# summed candidates grow with the ranks, the more so where their data differ. Measured
+# (docs/studies/2026-11-accuracy-8-16-ranks.md, 2026-11-steps-to-target.md run 10): the digits CNN at 8
+# ranks, non-IID, 3 seeds: budget 2 ended within a point of dense where 1 ended 1.2-1.4 under; the MLP at 4
+# ranks: budget 2 took 1.55x dense's steps against 1.65x, for 1.36x the bytes; the digits CNN at 16 ranks,
+# one seed: budget 4 narrowed a 5.6-point gap to 3.9. The cap keeps split_reduce's bytes per rank flat in N
+# past 16 ranks (its point against the allgather), where nothing was measured.
+RANKS_PER_K, MAX_BUDGET = 4, 4.0
+
+
+def budget_at(budget, ranks):
+    """The multiple of k split_reduce's owners keep among ``ranks`` ranks: ``budget``, or where it is None
+    ``ranks / RANKS_PER_K`` between 1 and ``MAX_BUDGET``.
+
+    Example:
+        >>> budget_at(None, 4), budget_at(None, 8), budget_at(None, 12), budget_at(None, 64), budget_at(8.0, 8)
+        (1.0, 2.0, 3.0, 4.0, 8.0)
+    """
+    return float(budget) if budget is not None else min(MAX_BUDGET, max(1.0, ranks / RANKS_PER_K))

@@ -35,31 +35,12 @@ import torch
 
 from ..core.buckets import flag_of, wire_dtype, wire_kind
 from ..core.sparsify import ascending, sq_norm_finite, topk_indices
-from ..core.wire import CODEC_ENTRY_BYTES, FLAG_BYTES
+from ..core.wire import CODEC_ENTRY_BYTES, FLAG_BYTES, budget_at
 from .base import Outcome, Started
 from .fused import Buckets
 from .split_phases import HIST_BINS, gathered, histogram_row, magnitude_bins, owned, owners_share, sum_candidates
 
-__all__ = ["SplitReduce", "budget_at", "HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "sum_candidates"]
-
-
-# ``budget=None`` keeps one k per this many ranks of the exchange (at least k): the summed candidates grow
-# with the ranks, the more so where their data differ. Measured (docs/studies/2026-11-accuracy-8-16-ranks.md,
-# 2026-11-steps-to-target.md run 10): the digits CNN at 8 ranks, non-IID, 3 seeds: budget 2 ended within a
-# point of dense where 1 ended 1.2-1.4 under; the MLP at 4 ranks: budget 2 took 1.55x dense's steps against
-# 1.65x, for 1.36x the bytes; the digits CNN at 16 ranks, one seed: budget 4 narrowed a 5.6-point gap to 3.9.
-RANKS_PER_K = 4
-
-
-def budget_at(budget, ranks):
-    """The multiple of k split_reduce keeps among ``ranks`` ranks: ``budget``, or where it is None
-    ``ranks / RANKS_PER_K``, at least 1.
-
-    Example:
-        >>> budget_at(None, 4), budget_at(None, 8), budget_at(None, 12), budget_at(3.0, 8)
-        (1.0, 2.0, 3.0, 3.0)
-    """
-    return float(budget) if budget is not None else max(1.0, ranks / RANKS_PER_K)
+__all__ = ["SplitReduce", "HIST_BINS", "magnitude_bins", "owners_share", "histogram_row", "sum_candidates"]
 
 
 class SplitReduce:
@@ -75,7 +56,7 @@ class SplitReduce:
         mismatch_hint: what the error says to do when the ranks sent other tensors under one key
             (``TopKEF`` without names: the ranks' orders differ).
         budget: how many of the summed candidates are kept, as a multiple of k (>= 1), or None: one k
-            per ``RANKS_PER_K`` ranks (``budget_at``).
+            per 4 ranks, between 1 and 4 (``hvd_topk.core.wire.budget_at``).
     """
 
     def __init__(self, collectives, average, regions, name, values="bf16", stats=None, mismatch_hint="", budget=None):
