@@ -568,6 +568,17 @@ def test_error_feedback_invariant_across_transport_switches(hvd):
             assert residual is None
         else:
             assert (model.weight.grad != 0).sum() == math.ceil(0.05 * 64 * 32)
+    assert tuner.costs.budget is None            # the model prices the compression's budget: the default
+
+
+def test_the_probe_gives_the_model_the_compressions_budget(hvd):
+    model = nn.Linear(64, 32, bias=False)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=TopKEF(ratio=0.05, min_numel=16, budget=3), communication="auto")
+    model(torch.randn(8, 64)).pow(2).sum().backward()
+    opt.step()                                   # the first step's end probes
+    assert opt._hvd_topk.tuner.costs.budget == 3.0
 
 
 RATIO_ONE = ["--steps", 16, "--nesterov", "--dtype", "float64"]
