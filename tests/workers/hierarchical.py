@@ -18,7 +18,6 @@ import torch
 import torch.nn as nn
 
 import hvd_topk
-from hvd_topk.transports import host_sets
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -27,10 +26,9 @@ p.add_argument("--ratio", type=float, default=0.05)
 p.add_argument("--nan-rank", type=int, default=-1)
 p.add_argument("--nan-step", type=int, default=-1)
 p.add_argument("--stock-op", choices=["average", "sum"], default="average", help="the stock door's op")
-p.add_argument("--sets-first", action="store_true",
-               help="before training: hierarchical without registered sets (the error), then with dynamic "
-                    "ones (a collective over each), each in its own hvd.init; training then registers "
-                    "hvd_topk.host_process_sets() at hvd.init")
+p.add_argument("--register-sets", action="store_true",
+               help="hvd.init(process_sets=hvd_topk.host_process_sets()); without it, none (the fallbacks need "
+                    "none; tests/workers/unregistered_host_sets.py checks what happens otherwise)")
 p.add_argument("--lowrank-steps", type=int, default=0,
                help="then this many steps of low rank across the hosts through both doors (PowerSGD(rank=2, "
                     "communication='hierarchical')), rank --nan-rank's loss NaN at step 1")
@@ -40,33 +38,9 @@ p.add_argument("--auto-steps", type=int, default=0,
 args = p.parse_args()
 
 
-def check_sets():
-    """The error without sets, then the sets added dynamically: (error text, the sums over the sets)."""
-    hvd.init()
-    try:
-        hvd_topk.TopKEF(communication="hierarchical").transports.own    # built (the hosts' sets found) at first use
-        error = None
-    except ValueError as e:
-        error = str(e)
-    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1),
-                                        communication="auto")    # no sets: auto leaves hierarchical out
-    auto_without_sets = sorted(opt._hvd_topk.transports)
-    hvd.shutdown()
-    hvd.init(process_sets="dynamic")
-    sets = host_sets.resolve()
-    one = torch.tensor([float(hvd.rank())])
-    sums = [float(hvd.allreduce(one, op=hvd.Sum, name=f"check.{i}", process_set=ps))
-            for i, ps in enumerate((sets.host, sets.cross))]
-    hvd.shutdown()
-    os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS")
-    host_sets._RESOLVED.clear()          # a new hvd.init: the sets resolved before are gone
-    return error, sums, auto_without_sets
-
-
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as seen:
-    checked = check_sets() if args.sets_first else None
-    hvd.init(process_sets=hvd_topk.host_process_sets() if args.sets_first else None)
+    hvd.init(process_sets=hvd_topk.host_process_sets() if args.register_sets else None)
     start = time.monotonic()
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
@@ -214,7 +188,7 @@ with warnings.catch_warnings(record=True) as seen:
     lowrank = lowrank_doors(args.lowrank_steps) if args.lowrank_steps else None
 
 result = {"params": {door: {n: q.detach().clone() for n, q in m.named_parameters()} for door, (m, *_) in doors.items()},
-          "record": record, "elapsed_s": elapsed, "checked": checked, "ratio_one": ratio_one_params, "auto": auto,
+          "record": record, "elapsed_s": elapsed, "ratio_one": ratio_one_params, "auto": auto,
           "lowrank": lowrank,
           "warnings": [str(w.message) for w in seen],
           "transports": {door: type(t).__name__ for door, (*_, t) in doors.items()},
