@@ -141,8 +141,9 @@ class OptimizerSettings:
             weighs low rank against Top-K, >= 0; None: 0.3 and 1.0 (measured: docs/auto.md).
         auto_every: steps between the automatic checks, int >= 2.
         pin: {parameter name: transport}: these tensors always go with that transport (``'dense'``,
-            ``'artopk'``, ``'split_reduce'``, ``'allgather'``, ``'lowrank'``), whatever ``communication``
-            says or ``'auto'`` would choose; None: none pinned.
+            ``'dense_fp16'``: every entry in fp16, the rounding kept in the residual, ``'artopk'``,
+            ``'split_reduce'``, ``'allgather'``, ``'lowrank'``), whatever ``communication`` says or
+            ``'auto'`` would choose; None: none pinned.
 
     Example:
         >>> OptimizerSettings(warmup_epochs=4).warmup_epochs

@@ -369,6 +369,37 @@ def test_stats_of_low_rank_say_what_it_sent(hvd, tmp_path):
     assert mixed["density"] == mixed["ratio"] == 0.01
 
 
+def test_a_tensor_pinned_to_dense_fp16_keeps_fp16s_rounding_in_its_residual(hvd):
+    """'dense_fp16' sends every entry in fp16 (half of dense's bytes); what fp16 did not carry stays in the
+    residual and leaves later: after two steps the updates plus the residual are the two gradients, in
+    float64. Its dense steps (density 1) stay exact, as dense Horovod's."""
+    def run(dense_steps):
+        torch.manual_seed(5)
+        model = nn.Linear(64, 32, bias=False)
+        start = model.weight.detach().clone()
+        opt = hvd_topk.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters(),
+            compression=TopKEF(ratio=0.01, min_numel=16),
+            settings=hvd_topk.OptimizerSettings(pin={"weight": "dense_fp16"}, dense_steps=dense_steps))
+        grads = []
+        for step in range(2):
+            opt.zero_grad()
+            model(0.1 * torch.randn(8, 64)).pow(2).sum().backward()
+            grads.append(model.weight.grad.detach().clone())
+            opt.step()
+        return start, model.weight.detach(), grads, opt
+
+    start, end, grads, opt = run(dense_steps=0)
+    assert opt.stats()["bytes_sent"] == 2 * 64 * 32 and opt.stats()["dense_tensors"] == 1
+    residual = opt._hvd_topk.residuals.residuals["weight"].reshape(32, 64)
+    assert residual.abs().max() > 1e-5                          # fp16's rounding, about 2**-11 of each entry
+    torch.testing.assert_close((start - end).double() + residual.double(), sum(g.double() for g in grads),
+                               rtol=0, atol=1e-6)
+    start, end, grads, opt = run(dense_steps=2)                # both steps dense: exact, no residual
+    assert opt.stats()["bytes_sent"] == 4 * 64 * 32
+    torch.testing.assert_close(start - end, grads[0] + grads[1], rtol=0, atol=1e-6)
+
+
 def test_state_dict_refuses_other_world_size_and_model(hvd):
     model, opt = make(hvd)
     model(torch.randn(2, 8)).sum().backward()

@@ -56,7 +56,8 @@ def test_both_doors_identical_everywhere_and_alike(results, np, doors_job):
             assert torch.equal(stock[name], value), name
         else:
             torch.testing.assert_close(stock[name], value, rtol=0, atol=1e-12)
-    assert res[0]["opt"]["transports"] == ["allgather", "artopk", "dense", "lowrank", "plain", "split_reduce"]
+    assert res[0]["opt"]["transports"] == ["allgather", "artopk", "dense", "dense_fp16", "lowrank", "plain",
+                                             "split_reduce"]
     assert sorted(res[0]["opt"]["q"]["lowrank"]["q"]) == ["0.weight", "3.weight", "5.weight"]
     # the conv weight is 8 x 27; every weight holds a residual of its own on every rank
     assert res[0]["opt"]["q"]["lowrank"]["q"]["0.weight"].shape == (27, 2)

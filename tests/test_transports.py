@@ -9,9 +9,9 @@ import torch
 from conftest import job
 from hvd_topk.core.wire import CODEC_ENTRY_BYTES, CODEC_HEADER_BYTES, FRAME_BYTES
 
-VARIANTS = ("dense", "artopk", "allgather", "split_reduce", "allgather-bf16", "split_reduce-bf16",
+VARIANTS = ("dense", "dense-fp16", "artopk", "allgather", "split_reduce", "allgather-bf16", "split_reduce-bf16",
             "split_reduce-fp16", "allgather-fused", "split_reduce-fused", "split_reduce-fused-fp32")
-CODED = {"allgather-bf16": "bf16", "split_reduce-bf16": "bf16", "split_reduce-fp16": "fp16",
+CODED = {"dense-fp16": "fp16", "allgather-bf16": "bf16", "split_reduce-bf16": "bf16", "split_reduce-fp16": "fp16",
          "allgather-fused": "bf16", "split_reduce-fused": "bf16"}
 NAN_STEP = 3
 # Gloo's data path as horovodrun launches it, and 3 ranks (frames per owner) under mpirun in the fast
@@ -21,11 +21,19 @@ LAUNCHES = [pytest.param(job(np, "transports.py", "--nan-step", NAN_STEP, backen
             for np, backend in [(2, "gloo"), (3, "mpi"), (3, "gloo")]]
 
 
+def summed_to(variant, records):
+    """The tolerance of the aggregate against the average of what left the ranks: float32's sums, or
+    dense-fp16's, which Horovod adds in fp16 (each partial sum rounded to 2**-11 of the largest value)."""
+    if variant != "dense-fp16":
+        return dict(rtol=1e-5, atol=1e-6)
+    return dict(rtol=0, atol=2 ** -10 * max(float(r["sent"].abs().max()) for r in records))
+
+
 def max_nbytes(variant, n, k, ranks):
     """What ``start`` may hand the collectives: float32 values, or codec messages in frames (one per owner
     from 3 ranks on, each with its header and two sections padded to 4 bytes)."""
-    if variant in ("dense", "artopk"):
-        return {"dense": 4 * n, "artopk": 4 * (k + 1)}[variant]      # artopk: k values + the finite flag
+    if variant in ("dense", "dense-fp16", "artopk"):                # artopk: k values + the finite flag
+        return {"dense": 4 * n, "dense-fp16": 2 * n, "artopk": 4 * (k + 1)}[variant]
     messages = ranks if variant.startswith("split_reduce") and ranks > 2 else 1
     return messages * (FRAME_BYTES + CODEC_HEADER_BYTES + 4 + 4) + k * CODEC_ENTRY_BYTES[CODED.get(variant, "fp32")]
 
@@ -43,10 +51,10 @@ def test_transport_contract(results, launch, variant):
             continue
         assert all(a is not None and torch.equal(a, aggregates[0]) for a in aggregates), (variant, step, key)
         average_sent = sum(r["sent"] for r in records) / np
-        torch.testing.assert_close(aggregates[0].double(), average_sent, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(aggregates[0].double(), average_sent, **summed_to(variant, records))
         n, k = records[0]["acc"].numel(), records[0]["k"]
         assert all(0 < r["nbytes"] <= max_nbytes(variant, n, k, np) for r in records), (variant, step)
-        if variant != "dense":
+        if not variant.startswith("dense"):
             assert all(r["sent_count"] <= k for r in records), (variant, step, key)
     for rank in ranks:                                   # Σ sent + residual = Σ grad, committed steps
         for key in ("a", "b"):
@@ -61,7 +69,9 @@ def test_transport_contract(results, launch, variant):
 def test_16_bit_values_keep_their_rounding_in_the_residuals(results, launch, variant):
     """In float64, every step: the ranks' accumulators = their new residuals + the summed aggregate, to
     float32's rounding of the sums (1e-6 of the largest |acc|). Had the rounding of the 16-bit values
-    (2**-9 relative for bf16) been dropped instead of kept, this would miss by about 1e-3."""
+    (2**-9 relative for bf16) been dropped instead of kept, this would miss by about 1e-3. dense-fp16's
+    sums are Horovod's, in fp16: there what left each rank must be fp16 values, which a flushed
+    residual (what left = the accumulator) would not be."""
     np = launch.np
     ranks = [r[variant] for r in results(launch)]
     coded = 0
@@ -71,11 +81,26 @@ def test_16_bit_values_keep_their_rounding_in_the_residuals(results, launch, var
         accs = sum(r["acc"] for r in records)
         kept = sum(r["residual"] for r in records) + records[0]["aggregate"].double() * np
         scale = max(float(r["acc"].abs().max()) for r in records)
-        torch.testing.assert_close(kept, accs, rtol=0, atol=1e-6 * scale)
+        fp16_sums = np * summed_to(variant, records)["atol"] if variant == "dense-fp16" else 0.0
+        torch.testing.assert_close(kept, accs, rtol=0, atol=max(1e-6 * scale, fp16_sums))
+        if variant == "dense-fp16":
+            assert all(torch.equal(r["sent"], r["sent"].half().double()) for r in records)
         for r in records:                                # what left is not the accumulator: it was coded
             left = r["sent"] != 0
             coded += int((r["sent"][left] != r["acc"][left]).sum())
     assert coded > 0
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_dense_fp16_clamps_what_the_ranks_sum_could_overflow(results, launch):
+    """Each rank's entry of 2e4 at step 0: 2 or 3 of them would sum past fp16's 65504 to inf. Each rank
+    sends 16384 (the largest power of two under 65504 / ranks), the aggregate is finite, the excess
+    waits in the residual and leaves at step 1 (where the gradient there is 0)."""
+    for rank in results(launch):
+        b = [r for r in rank["dense-fp16"] if r["key"] == "b"]
+        assert b[0]["aggregate"] is not None and float(b[0]["aggregate"][7]) == 16384.0
+        assert float(b[0]["sent"][7]) == 16384.0 and float(b[0]["residual"][7]) == 2e4 - 16384
+        assert float(b[1]["sent"][7]) == 2e4 - 16384 and float(b[1]["residual"][7]) == 0.0
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)

@@ -2,8 +2,9 @@
 
 1. ``submit(p, name)`` (Horovod's backward hook; with compress='update', ``step()``): the gradient,
    unscaled and clipped, corrected for momentum (``dgc``), goes with its residual to its transport:
-   ``Dense`` for tensors never compressed and at density 1, else the configured (or auto-chosen) sparse
-   transport, or into the global bucket. It returns ``done``, which Horovod's ``synchronize`` calls.
+   ``Dense`` for tensors never compressed and at density 1 (``DenseFP16`` where auto or a pin chose it),
+   else the configured (or auto-chosen) sparse transport, or into the global bucket. It returns
+   ``done``, which Horovod's ``synchronize`` calls.
 2. The step's last compressed tensor starts sharing AR-Topk's next index sets, in the same Horovod
    cycle as the values (after ``synchronize`` would be a cycle later).
 3. ``done()`` waits for the transport and hands back the aggregate as the gradient; the new residual
@@ -22,7 +23,7 @@ import torch
 from .bucket import GLOBAL_KEY, regroup
 from .dgc import clip_local
 from .fused_plan import FusedPlan
-from .routing import route
+from .routing import DENSE, route
 from ..core.memory import StepCommits
 from ..core.sparsify import sq_norm_finite
 
@@ -121,9 +122,9 @@ class StepCoordinator:
                                for name, n in self.sparse_numels.items()})
         n = g.numel()
         mode, k, k_next, gains = route(self, key, n)
-        if mode == "dense":
+        if mode in DENSE:
             acc = self.residuals.compensate(key, g, copy=False)
-            started = self.transports["dense"].start(key, acc)
+            started = self.transports[mode].start(key, acc)
             self.stats.add_sent(started.nbytes, 0.0, 0.0, dense=True)
             return acc, started.finish
         acc = self.residuals.compensate(key, g)

@@ -20,7 +20,7 @@ from horovod.torch import mpi_ops
 from .allgather import SparseAllgather
 from .artopk import ARTopk
 from .collectives import Collectives
-from .dense import Dense
+from .dense import Dense, DenseFP16
 from .hierarchical import Hierarchical
 from .host_sets import HostSets, resolve
 from .index_sets import IndexPipeline
@@ -38,8 +38,9 @@ OWN_COLLECTIVES = ("split_reduce", "allgather", "hierarchical")
 
 class TransportStack(NamedTuple):
     """One front door's transports and what they share (built by keyword)."""
-    transports: Dict[str, object]         # 'artopk', 'allgather', 'split_reduce'; 'dense' (density 1) and
-                                          # 'plain' (never compressed) with a reduction; 'hierarchical' when
+    transports: Dict[str, object]         # 'artopk', 'allgather', 'split_reduce'; 'dense' (density 1),
+                                          # 'dense_fp16' (auto's, pins') and 'plain' (never compressed)
+                                          # with a reduction; 'hierarchical' when
                                           # asked; 'lowrank' of the low-rank kind (or alongside)
     collectives: Collectives              # Horovod's collectives, grouped or not (the optimizer sets groups)
     index_sets: Optional[IndexPipeline]   # AR-Topk's shared index sets (None: low rank alone)
@@ -60,7 +61,7 @@ def build_transports(settings, *, tag, key_index, process_set=mpi_ops.global_pro
         communication: the transport asked for, if not ``settings.communication`` (the optimizer's may be
             ``'auto'``). ``'hierarchical'`` and ``'auto'`` resolve the hosts' process sets: collective.
         reduction: ``Reduction`` (Horovod's op and scale factors) where the transports reduce themselves
-            (the optimizer), adding 'dense' and 'plain'; None: they sum, and Horovod's allreduce in
+            (the optimizer), adding 'dense', 'dense_fp16' and 'plain'; None: they sum, and Horovod's allreduce in
             ``TopKEF`` does the rest.
         leader: AR-Topk's leader, ``'star'`` or ``'var'``.
         value_dtype: dtype of artopk's and the dense allreduces' values on the wire; None keeps the
@@ -111,6 +112,7 @@ def _topk_stack(settings, *, tag, key_index, process_set, communication, reducti
     if reduction is not None:
         transports["dense"] = Dense(collectives, reduction, value_dtype, name="values")
         transports["plain"] = Dense(collectives, reduction, None, name="dense")
+        transports["dense_fp16"] = DenseFP16(collectives, reduction)
     hosts = None
     if communication in ("hierarchical", "auto"):     # collective: finds the hosts' process sets
         hosts = resolve(f"{tag}.hier.hosts", optional=communication == "auto")

@@ -3,8 +3,9 @@
 Per variant, two keys per step, started in reversed order on odd ranks and finished in key order, as
 a caller does. Rank 1 poisons key "a" with a NaN at ``--nan-step``: that key's aggregate must be None
 on every rank and its residual is kept. ``forget()`` is called before the last step. The variants: each
-transport with exact values ('fp32': split_reduce and allgather as 8-byte rows summed), then allgather
-and split_reduce with 16-bit values, and both with the two keys fused in one bucket. Writes
+transport with exact values ('fp32': split_reduce and allgather as 8-byte rows summed), then dense,
+allgather and split_reduce with 16-bit values (dense-fp16's key "b" with one entry over its clamp at
+step 0), and both sparse ones with the two keys fused in one bucket. Writes
 ``<out>/rank<r>.pt``: per variant and step and key, the aggregate, the accumulator, what left this rank
 (acc - new residual, float64), the gradient, the residual after the step and ``Started.nbytes``.
 
@@ -19,6 +20,7 @@ import horovod.torch as hvd
 import torch
 
 from hvd_topk.transports import ARTopk, Dense, SparseAllgather, SplitReduce
+from hvd_topk.transports.dense import DenseFP16
 from hvd_topk.transports.collectives import Collectives, Reduction, wait
 from hvd_topk.transports.index_sets import IndexPipeline
 from hvd_topk.transports.leaders import StarLeaders
@@ -36,13 +38,15 @@ hvd.init()
 torch.set_num_threads(1)
 KEYS = ("a", "b")
 # variant -> (transport, values, fused)
-VARIANTS = {"dense": ("dense", None, False), "artopk": ("artopk", None, False),
+VARIANTS = {"dense": ("dense", None, False), "dense-fp16": ("dense_fp16", "fp16", False),
+            "artopk": ("artopk", None, False),
             "allgather": ("allgather", "fp32", False), "split_reduce": ("split_reduce", "fp32", False),
             "allgather-bf16": ("allgather", "bf16", False), "split_reduce-bf16": ("split_reduce", "bf16", False),
             "split_reduce-fp16": ("split_reduce", "fp16", False),
             "allgather-fused": ("allgather", "bf16", True), "split_reduce-fused": ("split_reduce", "bf16", True),
             "split_reduce-fused-fp32": ("split_reduce", "fp32", True)}
 
+CLAMPED = 7             # dense-fp16's entry of key "b" that exceeds what a rank may send in fp16 at step 0
 # The gradients are seeded per (transport, values): a fused variant replays its per-tensor variant's
 DATA = sorted({spec[:2] for spec in VARIANTS.values()}, key=repr)
 
@@ -53,6 +57,8 @@ def build(variant):
     collectives = Collectives(f"contract.{variant}.group")
     if name == "dense":
         return Dense(collectives, Reduction.of(hvd.Average), name="contract.dense"), collectives, None
+    if name == "dense_fp16":
+        return DenseFP16(collectives, Reduction.of(hvd.Average), name="contract.dense16"), collectives, None
     if name == "artopk":
         index_sets = IndexPipeline(f"contract.{variant}.indices")
         leaders = StarLeaders({key: i for i, key in enumerate(KEYS)})
@@ -69,7 +75,7 @@ def build(variant):
 def run(variant):
     transport, collectives, index_sets = build(variant)
     residual = {key: torch.zeros(args.numel) for key in KEYS}
-    k = args.numel if variant == "dense" else args.k
+    k = args.numel if variant.startswith("dense") else args.k
     records = []
     for step in range(args.steps):
         if step == args.steps - 1:
@@ -84,6 +90,8 @@ def run(variant):
             seed = 100000 * DATA.index(VARIANTS[variant][:2]) + 1000 * hvd.rank() + 10 * step + KEYS.index(key)
             gen = torch.Generator().manual_seed(seed)
             g = torch.randn(args.numel, generator=gen)
+            if variant == "dense-fp16" and key == "b":    # beyond the clamp once (exact in float32), then 0
+                g[CLAMPED] = 2e4 if step == 0 else 0.0
             acc = g + residual[key]
             if step == args.nan_step and hvd.rank() == 1 and key == "a":
                 acc[5] = float("nan")
