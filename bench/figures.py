@@ -155,7 +155,7 @@ def scheme_of(name, arm):
         last = {k: v[-1] for k, v in arm["stats"].items() if v}
         used = [t for t in TRANSPORTS if last.get(f"auto_{t}")]
         comm = used[0] if len(used) == 1 else None
-    return comm if comm in TRANSPORTS else None
+    return comm if comm in SCHEMES else None           # dense_fp16: the small tensors stay fp32
 
 
 def topk_settings_of(name, record):

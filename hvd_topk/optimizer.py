@@ -138,7 +138,7 @@ def _build(config, kinds, settings, *, shapes, tuner, reduction, process_set):
     if tuner is not None and stack.hosts is not None:   # auto across equal hosts: one more to choose from
         tuner.hosts = stack.hosts
     if tuner is not None:
-        tuner.first_step = max(settings.dense_steps - 1, 0)       # its first probe's step
+        tuner.first_step = max(settings.dense_steps - 1, 0)       # the last dense step (AutoTuner)
         tuner.start = chosen.communication if chosen.communication in stack.transports else "dense"
         # low rank is one more candidate, unless Top-K-only settings are on or Top-K sends everything
         # (ratio 1.0 means dense Horovod, which low rank is not)

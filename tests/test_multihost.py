@@ -486,7 +486,7 @@ def test_low_rank_across_hosts_through_both_doors(hierarchical_2x2):
 
 
 def test_auto_across_hosts_probes_both_links_and_tries_hierarchical(hierarchical_2x2):
-    """The same job, communication='auto' on the registered host sets: after step 0 every rank holds the
+    """The same job, communication='auto' on the registered host sets: after step 1 every rank holds the
     same probe of the link within the hosts and the link between them (2 hosts of 2), the model's plan
     chose among the flat transports and hierarchical, and a trial of all split_reduce against all
     hierarchical ran both in turns to its verdict; parameters identical on every rank."""
@@ -497,8 +497,8 @@ def test_auto_across_hosts_probes_both_links_and_tries_hierarchical(hierarchical
     assert all(math.isfinite(v) and v >= 0 for v in link[2:]), link
     assert all(a["costs"] == autos[0]["costs"] and a["history"] == autos[0]["history"] for a in autos)
     step, _, counts, reason = autos[0]["probed"][0]
-    assert step == 0 and reason.startswith("start") and set(counts) == \
-        {"dense", "artopk", "split_reduce", "allgather", "hierarchical", "lowrank"}, autos[0]["probed"]
+    assert step == 1 and reason.startswith("start") and set(counts) == \
+        {"dense", "dense_fp16", "artopk", "split_reduce", "allgather", "hierarchical", "lowrank"}, autos[0]["probed"]
     assert set(autos[0]["model_plan"].values()) <= set(counts)
     final = autos[0]["history"][-1][3]
     assert "all split_reduce" in final and "all hierarchical" in final and "; kept all " in final, final

@@ -55,22 +55,23 @@ class CollectiveSteps:
             self.quality = dict(self.quality, **quality_from_row(agreed[len(extra):], names))
         return agreed[:len(extra)]
 
-    def _plans(self, numels, density, n):
-        """(the model's plan, the plans worth a trial) at ``density``, quality weighed where sampled."""
+    def _plans(self, numels, density, n, fixed_s=0.0):
+        """(the model's plan, the plans worth a trial: ``trial_plans``) at ``density``, quality weighed."""
         figures = dict(lowrank=self._sizes(numels), quality=self.quality, weight=self.weight if self.quality else 0.0)
         return plan_transports(numels, density, n, self.costs, **figures), \
-            trial_plans(numels, density, n, self.costs, **figures)
+            trial_plans(numels, density, n, self.costs, fixed_s=fixed_s, **figures)
 
-    def _probe(self, state, step, reason):
-        """Probe alpha and beta, time the compression, and choose the transports (a trial of plans when
-        the model is not sure)."""
+    def _probe(self, state, step, reason, fixed_s=0.0):
+        """Probe alpha and beta, time the compression, agree on ``fixed_s`` (the last step's seconds outside
+        communication) and choose the transports (a trial of plans when the model is not sure)."""
         res = self.probe.run()
         alpha, beta, kept = fitted_link(res.alpha, res.beta, self.costs)
         if kept:
             reason += ", re-probe without a bandwidth term: last alpha/beta kept"
         numels = self._numels(state)
-        select_s, pass_s, matmul_s = self._agree_quality(
-            sorted(numels), time_compression(state.sparse_numels, state.ratio, state.clock), "hvd_topk.auto.costs")
+        select_s, pass_s, matmul_s, fixed_s = self._agree_quality(
+            sorted(numels), time_compression(state.sparse_numels, state.ratio, state.clock) + [max(0.0, fixed_s)],
+            "hvd_topk.auto.costs")
         self.quality_sums = {}
         link, hosts_s = (None, 0.0) if self.hosts is None else probe_hosts(self.hosts, PROBE_REPEATS)
         reason += f", probe {res.wall_s + hosts_s:.1f} s"           # rank 0's: the same history everywhere
@@ -80,7 +81,7 @@ class CollectiveSteps:
         if not self.auto_transport:
             self._record(step, state.ratio, reason)
             return
-        self.plan, arms = self._plans(numels, state.density(step + 1), self.world.size())
+        self.plan, arms = self._plans(numels, state.density(step + 1), self.world.size(), fixed_s)
         # A re-probe answers a change of the network; a plan that lost a trial by its quality (its G)
         # would lose again, and its turns would train with it: it stays out (the model's plan stays in).
         arms = arms[:1] + [arm for arm in arms[1:] if arm not in self.out_by_quality]
@@ -127,7 +128,7 @@ class CollectiveSteps:
                                     recheck.probe_is_old(step, self.last_probe_check, self.every))
         self.calibration, self.drift_sign = drift.calibration, drift.sign
         if drift.reprobe:
-            self._probe(state, step, reason=f"drift x{drift.ratio:.2f} at two checks")
+            self._probe(state, step, reason=f"drift x{drift.ratio:.2f} at two checks", fixed_s=step_s - comm_s)
             return None
         gain = recheck.gain_fractions(self.ratios, gains)
         if gain is None:

@@ -4,6 +4,8 @@ Pure functions over plain numbers and dicts (``hvd_topk.auto`` applies them, see
 docs/auto.md). For every compressed tensor (n elements, density c, N ranks) the modelled seconds are::
 
     dense         dense_ring(M = 4n)                              a plain allreduce, nothing selected
+    dense_fp16    dense_ring(2n) + 2π·n                           the same in fp16; the clamp and the
+                                                                  residual's pass (``DenseFP16``)
     artopk        artopk_ring(M, c)  + σ·n/N + 2π·n               the leader selects, all gather values
     split_reduce  split_reduce(M, c) + σ·n + π·n                  every rank selects its own top-k; the
                                                                   owners' sums are O(k), left out
@@ -34,12 +36,16 @@ matrix products::
                   + 3μ·r·n·m + 2π·n·m                             M Q, M^T P, P Q^T; the residual
 
 Each tensor takes the transport of least J = seconds / G^w, G the fraction of its gradient's energy the
-transport sends at once (``hvd_topk.auto.quality``: 1 for dense, measured for Top-K and low rank), w the
-gain's weight; without quality figures (w = 0, or none given) J is the seconds. Ties go to dense, then
+transport sends at once (``hvd_topk.auto.quality``: 1 for dense and dense_fp16, whose rounding, about
+2^-11 of each entry, is kept in the residual; measured for Top-K and low rank), w the gain's weight;
+without quality figures (w = 0, or none given) J is the seconds. Ties go to dense, then dense_fp16, then
 artopk, then split_reduce, then allgather, then hierarchical, then lowrank (``transports_of``).
 Horovod's Gloo and MPI collectives do not expose ring vs. tree, so only the ring formulas are used. The
 model ignores the overlap with the backward pass and the ranks' competition for CPU, so ``trial_plans``
-lists the plans worth checking by measurement (``hvd_topk.auto.trial``).
+lists the plans worth checking by measurement (``hvd_topk.auto.trial``): those within ``TRIAL_SPAN`` of
+the model's plan in communication, and, where compute dominates a step, those within
+``WHOLE_STEP_SPAN`` of it in whole steps (the step's measured part outside communication added to
+every plan's seconds): dense's bytes may cost a compute-bound step little, and its steps are exact.
 """
 import math
 from typing import NamedTuple, Optional
@@ -52,24 +58,28 @@ from ..core.wire import CODEC_ENTRY_BYTES, INDEX_BYTES, budget_at
 # values; hvd_topk.core.codec): the bytes the cost model prices for them
 ENTRY_BYTES = CODEC_ENTRY_BYTES["bf16"]
 
-__all__ = ["TRANSPORTS", "HIERARCHICAL", "LOWRANK", "TRIAL_SPAN", "HostLink", "Costs", "transports_of",
+__all__ = ["TRANSPORTS", "HIERARCHICAL", "LOWRANK", "TRIAL_SPAN", "WHOLE_STEP_SPAN", "HostLink", "Costs", "transports_of",
            "tensor_seconds",
            "hierarchical_seconds", "plan_transports", "plan_seconds", "trial_plans", "uniform_plan", "plan_name",
            "plan_counts", "fitted_link", "link_figures", "costs_to_data", "costs_from_data", "lowrank_seconds"]
 
 # The transports a plan chooses from, also the tie-break order: dense first (exact, no compression
-# error), then AR-Topk (one selection per tensor), then split_reduce (bytes per rank flat in N), then
+# error), then dense in fp16 (its rounding delayed, not lost), then AR-Topk (one selection per tensor), then split_reduce (bytes per rank flat in N), then
 # allgather (the order of costmodel.COLLECTIVES).
-TRANSPORTS = ("dense", "artopk", "split_reduce", "allgather")
+TRANSPORTS = ("dense", "dense_fp16", "artopk", "split_reduce", "allgather")
 # The transport of jobs across equal hosts (``Costs.hosts``); last in the tie-break order: it needs
 # both links to be measured right, and a flat transport is one collective fewer per phase.
 HIERARCHICAL = "hierarchical"
 # Low rank (PowerSGD), where the optimizer has it to offer; last in the tie-break order: its error is not
 # of Top-K's kind (a subspace, not the largest entries), so it wins only on time or measured quality.
 LOWRANK = "lowrank"
-# Every uniform plan modelled within this factor of the model's plan is measured: the model's misses
-# seen on busy hosts (CPU competition, fusion) stayed within it.
+# Every uniform plan modelled within this factor of the model's plan, whole steps compared, is measured:
+# the model's misses seen on busy hosts (CPU competition, fusion) stayed within it.
 TRIAL_SPAN = 4.0
+# A uniform plan whose modelled whole step (the measured part outside communication, the same for every
+# plan, plus its modelled seconds) is within this factor of the model plan's is measured too: the
+# trial's own clear gap (``hvd_topk.auto.trial.CLEAR_GAP``), beyond which a plan leaves it at once.
+WHOLE_STEP_SPAN = 1.5
 
 
 class HostLink(NamedTuple):
@@ -126,7 +136,8 @@ def tensor_seconds(numel, density, n_workers, costs, value_bytes=4, lowrank=None
     t = costmodel.predict(n_workers, numel * value_bytes, density, costs.alpha, costs.beta, index_bytes=INDEX_BYTES,
                           value_bytes=value_bytes, entry_bytes=ENTRY_BYTES, kept=budget_at(costs.budget, n_workers))
     select, sweep = costs.select_s * numel, costs.pass_s * numel
-    seconds = {"dense": t["dense_ring"],
+    half = costmodel.predict(n_workers, numel * min(value_bytes, 2), 1.0, costs.alpha, costs.beta)["dense_ring"]
+    seconds = {"dense": t["dense_ring"], "dense_fp16": half + 2 * sweep,
                "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep,
                "split_reduce": t["split_reduce"] + select + sweep,
                "allgather": t["allgather"] + select + sweep}
@@ -208,21 +219,32 @@ def uniform_plan(numels, transport):
 
 
 def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=TRIAL_SPAN, lowrank=None, quality=None,
-                weight=0.0):
+                weight=0.0, fixed_s=0.0):
     """Plans worth measuring: the model's per-tensor plan first, then every uniform plan (one transport
-    for all tensors, in ``transports_of`` order) whose modelled J (its seconds / its energy-weighted G^w,
-    ``quality.plan_gain``) is within ``span`` x the model's plan's. Low rank's uniform plan sends only
-    the tensors of ``lowrank`` with it, the others as the model's plan does."""
+    for all tensors, in ``transports_of`` order) whose modelled J (its seconds over its energy-weighted
+    G^w, ``quality.plan_gain``) is within ``span`` x the model's plan's, or whose J of a whole step
+    (``fixed_s``, the step's measured seconds outside communication, added to the seconds) is within
+    ``WHOLE_STEP_SPAN`` x the model's plan's. Low rank's uniform plan sends only the tensors of
+    ``lowrank`` with it, the others as the model's plan does.
+
+    Example:
+        >>> slow = Costs(alpha=1e-4, beta=8e-8, select_s=1e-9, pass_s=1e-10)       # 100 Mbit/s
+        >>> [plan_name(p) for p in trial_plans({"w": 10**6}, 0.01, 2, slow)]
+        ['all split_reduce', 'all artopk', 'all allgather']
+        >>> [plan_name(p) for p in trial_plans({"w": 10**6}, 0.01, 2, slow, fixed_s=1.0)]    # compute-bound
+        ['all split_reduce', 'all dense', 'all dense_fp16', 'all artopk', 'all allgather']
+    """
     plan = plan_transports(numels, density, n_workers, costs, value_bytes, lowrank=lowrank, quality=quality,
                            weight=weight)
 
-    def j(p):
-        return plan_seconds(numels, p, density, n_workers, costs, value_bytes, lowrank) / \
+    def j(p, fixed=0.0):
+        return (fixed + plan_seconds(numels, p, density, n_workers, costs, value_bytes, lowrank)) / \
             plan_gain(p, quality) ** weight
-    best, arms = j(plan), [plan]
+    best, best_step, arms = j(plan), j(plan, fixed_s), [plan]
     for mode in transports_of(costs, lowrank):
         uniform = dict(plan, **uniform_plan(lowrank, mode)) if mode == LOWRANK else uniform_plan(numels, mode)
-        if uniform not in arms and j(uniform) <= span * best:
+        if uniform not in arms and (j(uniform) <= span * best or
+                                    fixed_s > 0 and j(uniform, fixed_s) <= WHOLE_STEP_SPAN * best_step):
             arms.append(uniform)
     return arms
 

@@ -13,10 +13,11 @@ from agreed numbers by the pure functions of
 applied by its collective steps (``hvd_topk.auto.decide``), so every rank takes the same decision at the
 same step even when their clocks disagree.
 
-**Transport per tensor (communication='auto').** After the first step the ranks probe α and β
-(``hvd_topk.auto.probe``) and time the compression work of this machine (σ, π of ``hvd_topk.auto.plans``); the
-model's plan, and every uniform plan modelled within 4x of it, are then measured in turns
-(``hvd_topk.auto.trial``) and the fastest is kept (dense on a tie within the margin). In a job across
+**Transport per tensor (communication='auto').** After the first timed step (the second, or the last
+dense step) the ranks probe α and β (``hvd_topk.auto.probe``) and time the compression work of this
+machine (σ, π of ``hvd_topk.auto.plans``); the model's plan, and every uniform plan modelled within 4x of
+it in communication or within 1.5x in whole steps (that step's time outside communication added), are
+then measured in turns (``hvd_topk.auto.trial``) and the fastest is kept (dense on a tie within the margin). In a job across
 equal hosts whose process sets Horovod has (``hvd_topk.transports.host_sets``), the probe also measures
 the link within the hosts and the link between them, and hierarchical is one more transport to model
 and to try (``hvd_topk.auto.plans``). Where the optimizer offers low rank (``lowrank``), it is one more
@@ -113,7 +114,7 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
         self.probe, self.world = probe or Probe(repeats=PROBE_REPEATS), HorovodWorld()
         self.hosts = None                 # HostSets of a job across equal hosts: hierarchical is a candidate
         self.lowrank = None               # the optimizer's LowRank, where low rank is a candidate
-        self.first_step = 0               # the step whose end runs the first probe (the last dense step)
+        self.first_step = 0               # the last dense step: quality sampled from it on (probe: >= 1)
         self.start = "dense"              # the transport before the first decision (the optimizer's: see mode)
         # agreed measurements
         self.costs = None                 # Costs, after the first probe
@@ -187,9 +188,8 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
             self.comm_times.append(comm_s)
             if self.trial is not None:
                 self.trial = trials.record_step(self.trial, step_s)
-        if self.costs is None:
-            self._probe(state, step, reason="start")
-            return None
+        if self.costs is None:        # step 0 has no start to time it from: the probe (None) waits for step 1
+            return None if step == 0 else self._probe(state, step, reason="start", fixed_s=step_s - comm_s)
         if self.trial is not None:
             self._trial_step(state, step)
             return None

@@ -124,7 +124,7 @@ with warnings.catch_warnings(record=True) as seen:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         out = {"modes": []}
         for step in range(steps):
-            if step == 1:
+            if step == 2:                       # the probe ran at the end of step 1 (step 0 is not timed)
                 out["probed"], out["model_plan"] = list(tuner.history), dict(tuner.plan)
                 tuner.start_trial([{n: mode for n in tuner.plan} for mode in ("split_reduce", "hierarchical")])
             x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100_000 * hvd.rank() + step))
