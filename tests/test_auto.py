@@ -366,6 +366,17 @@ def test_verdict_dense_tie(dense_s, active, kept):
     assert trials.verdict(ARMS, means, [0, 1, 2]) == trials.Verdict(active, True, kept)
 
 
+@pytest.mark.parametrize("fp16_s, dense_s, kept", [
+    (0.103, 0.200, 2),           # dense in fp16 within the margin of the fastest (low rank): kept
+    (0.103, 0.104, 3),           # dense too: dense first, exact
+    (0.106, 0.200, 0),           # beyond the margin: the fastest
+])
+def test_verdict_dense_fp16_tie(fp16_s, dense_s, kept):
+    arms = [{"w": "lowrank"}, {"w": "artopk"}, {"w": "dense_fp16"}, {"w": "dense"}]
+    means = [[0.100] * 3, [0.200] * 3, [fp16_s] * 3, [dense_s] * 3]
+    assert trials.verdict(arms, means, [0, 1, 2, 3]).kept == kept
+
+
 def test_verdict_stays_open_while_the_rounds_disagree():
     arms = ARMS[:2]
     noisy = [[0.10, 0.12, 0.09], [0.11, 0.09, 0.12]]

@@ -25,8 +25,9 @@ candidate, each plan's means are its J = step time / G^w (``scales``: 1 / G^w pe
 ``hvd_topk.auto.quality``), so a plan that sends less of the gradient at once must be faster by as much
 to win; and from the first counted round on, a plan leaves whose J would be more than ``CLEAR_GAP``
 times the best J of the round even at the fastest step any plan took in it (``quality_gaps``): its
-handicap is its sampled G, not the timing's noise. The fastest is kept, unless the all-dense plan is
-within m of it: a smaller lead is noise on a busy host, and dense is exact. (The model's plan gets no
+handicap is its sampled G, not the timing's noise. The fastest is kept, unless the all-dense plan, or
+else the all-dense_fp16 plan, is within m of it: a smaller lead is noise on a busy host, and dense is
+exact (dense in fp16 sends every entry each step, its rounding a step later). (The model's plan gets no
 such preference: it charges α per tensor, while Horovod fuses the tensors of a cycle and AR-Topk
 shares every index set in one allgather per step.)
 """
@@ -36,6 +37,9 @@ import statistics
 from typing import List, NamedTuple, Optional
 
 from .plans import plan_name
+
+# The plans a near tie keeps, in order: every entry sent each step (dense_fp16's rounding a step later).
+DENSE = ("dense", "dense_fp16")
 
 __all__ = ["TRIAL_MARGIN", "Trial", "Verdict", "new_trial", "on_turn", "record_step", "turn_over", "end_turn",
            "counts_round", "end_round", "verdict", "clear_gaps", "quality_gaps", "summary", "to_dict", "from_dict"]
@@ -197,11 +201,12 @@ def quality_gaps(means, scales, active, gap=CLEAR_GAP):
 
 
 def _dense_tie(arms, means, active, best, margin):
-    """``best``, or the all-dense plan when it is still active and within ``margin`` of ``best``."""
-    dense = [a for a in range(len(arms)) if set(arms[a].values()) == {"dense"}]
-    if dense and dense[0] in active and \
-            statistics.fmean(means[dense[0]]) <= (1 + margin) * statistics.fmean(means[best]):
-        return dense[0]
+    """``best``, or the all-dense plan, else the all-dense_fp16 plan, when it is still active and within
+    ``margin`` of ``best``."""
+    for transport in DENSE:
+        dense = [a for a in active if set(arms[a].values()) == {transport}]
+        if dense and statistics.fmean(means[dense[0]]) <= (1 + margin) * statistics.fmean(means[best]):
+            return dense[0]
     return best
 
 
