@@ -513,8 +513,8 @@ def test_checkpoint_mid_trial_continues_the_trial(stop):
     went on would have, and ends the trial with the same verdict at the same step."""
     ref = mid_trial(1)
     plans = feed(ref, range(1, 120))
-    assert ref.trial is None and ref.history == [(69, 0.01, {"dense": 0, "dense_fp16": 0, "artopk": 1, "split_reduce": 0,
-                                                             "allgather": 0}, (
+    counts = {"dense": 0, "dense_fp16": 0, "artopk": 1, "split_reduce": 0, "allgather": 0}
+    assert ref.trial is None and ref.history == [(69, 0.01, counts, (
         "trial, 9 counted rounds: all artopk 96.2 ms/step, all allgather 101.5 ms/step, "
         "all dense 141.2 ms/step (out after 3); kept all artopk"))]
     saved = pickle.loads(pickle.dumps(mid_trial(stop).state_dict()))    # plain data

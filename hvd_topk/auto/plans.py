@@ -58,14 +58,14 @@ from ..core.wire import CODEC_ENTRY_BYTES, INDEX_BYTES, budget_at
 # values; hvd_topk.core.codec): the bytes the cost model prices for them
 ENTRY_BYTES = CODEC_ENTRY_BYTES["bf16"]
 
-__all__ = ["TRANSPORTS", "HIERARCHICAL", "LOWRANK", "TRIAL_SPAN", "WHOLE_STEP_SPAN", "HostLink", "Costs", "transports_of",
-           "tensor_seconds",
+__all__ = ["TRANSPORTS", "HIERARCHICAL", "LOWRANK", "TRIAL_SPAN", "WHOLE_STEP_SPAN", "HostLink", "Costs",
+           "transports_of", "tensor_seconds",
            "hierarchical_seconds", "plan_transports", "plan_seconds", "trial_plans", "uniform_plan", "plan_name",
            "plan_counts", "fitted_link", "link_figures", "costs_to_data", "costs_from_data", "lowrank_seconds"]
 
 # The transports a plan chooses from, also the tie-break order: dense first (exact, no compression
-# error), then dense in fp16 (its rounding delayed, not lost), then AR-Topk (one selection per tensor), then split_reduce (bytes per rank flat in N), then
-# allgather (the order of costmodel.COLLECTIVES).
+# error), then dense in fp16 (its rounding delayed, not lost), then AR-Topk (one selection per tensor),
+# then split_reduce (bytes per rank flat in N), then allgather (the order of costmodel.COLLECTIVES).
 TRANSPORTS = ("dense", "dense_fp16", "artopk", "split_reduce", "allgather")
 # The transport of jobs across equal hosts (``Costs.hosts``); last in the tie-break order: it needs
 # both links to be measured right, and a flat transport is one collective fewer per phase.
@@ -73,7 +73,7 @@ HIERARCHICAL = "hierarchical"
 # Low rank (PowerSGD), where the optimizer has it to offer; last in the tie-break order: its error is not
 # of Top-K's kind (a subspace, not the largest entries), so it wins only on time or measured quality.
 LOWRANK = "lowrank"
-# Every uniform plan modelled within this factor of the model's plan, whole steps compared, is measured:
+# Every uniform plan modelled within this factor of the model's plan (communication alone) is measured:
 # the model's misses seen on busy hosts (CPU competition, fusion) stayed within it.
 TRIAL_SPAN = 4.0
 # A uniform plan whose modelled whole step (the measured part outside communication, the same for every

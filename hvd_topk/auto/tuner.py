@@ -17,13 +17,13 @@ same step even when their clocks disagree.
 dense step) the ranks probe α and β (``hvd_topk.auto.probe``) and time the compression work of this
 machine (σ, π of ``hvd_topk.auto.plans``); the model's plan, and every uniform plan modelled within 4x of
 it in communication or within 1.5x in whole steps (that step's time outside communication added), are
-then measured in turns (``hvd_topk.auto.trial``) and the fastest is kept (dense on a tie within the margin). In a job across
-equal hosts whose process sets Horovod has (``hvd_topk.transports.host_sets``), the probe also measures
-the link within the hosts and the link between them, and hierarchical is one more transport to model
-and to try (``hvd_topk.auto.plans``). Where the optimizer offers low rank (``lowrank``), it is one more
-too, and each tensor's choice weighs a quality figure against time: the fraction of its accumulator's
-energy each compressor sends at once, sampled at the probe's step and at the first step of every turn
-of the trial (``hvd_topk.auto.quality``).
+then measured in turns (``hvd_topk.auto.trial``) and the fastest is kept (dense, then dense in fp16, on
+a tie within the margin). In a job across equal hosts whose process sets Horovod has
+(``hvd_topk.transports.host_sets``), the probe also measures the link within the hosts and the link
+between them, and hierarchical is one more transport to model and to try (``hvd_topk.auto.plans``).
+Where the optimizer offers low rank (``lowrank``), it is one more too, and each tensor's choice weighs a
+quality figure against time: the fraction of its accumulator's energy each compressor sends at once,
+sampled at the probe's step and at the first step of every turn of the trial (``hvd_topk.auto.quality``).
 
 **Re-deciding.** Every ``every`` steps the ranks agree on the window's step and communication times
 and the compression gains; a drift of the communication time from the model at two checks in a row
