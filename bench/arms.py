@@ -166,6 +166,8 @@ ARMS = {
     "hvd_topk allgather fp32": lambda b: b.hvd_topk(communication="allgather", values="fp32"),
     "hvd_topk hierarchical": lambda b: b.hvd_topk(communication="hierarchical"),
     "hvd_topk dense": lambda b: b.hvd_topk(communication="dense"),
+    # every tensor the optimizer compresses pinned to dense in fp16 (one of auto's choices)
+    "hvd_topk dense_fp16": lambda b: b.hvd_topk(pin={n: "dense_fp16" for n, p in b.named if p.dim() > 1}),
     "hvd_topk auto": lambda b: b.hvd_topk(communication="auto"),
     "hvd_topk adaptive": lambda b: b.hvd_topk(adaptive_ratio=True),
     # DGC's levers: momentum correction, and the warm-up (the density falls from ratio ** (1 / (W + 1))
@@ -193,8 +195,8 @@ ARMS = {
 # the dense references of "dense final - 1 pt" / "dense + 2%", the first one a run has
 DENSE = ("horovod dense", "ddp")
 # the transports auto chooses from, each fixed: auto is compared with the fastest of those a run has
-FIXED_TRANSPORTS = ("horovod dense", "hvd_topk dense", "hvd_topk split_reduce", "hvd_topk artopk",
-                    "hvd_topk allgather")
+FIXED_TRANSPORTS = ("horovod dense", "hvd_topk dense", "hvd_topk dense_fp16", "hvd_topk split_reduce",
+                    "hvd_topk artopk", "hvd_topk allgather")
 
 _NAME = re.compile(r"^([^\[\]]+?)(?:\[([^\[\]]*)\])?$")
 

@@ -7,6 +7,7 @@ compression's settings (``hvd_topk.settings``), has ``hvd_topk.transports.build`
 and builds the step coordinator with its units (``hvd_topk.step.coordinator``).
 """
 import dataclasses
+import functools
 import warnings
 
 from horovod.torch import mpi_ops
@@ -15,6 +16,7 @@ from horovod.torch.optimizer import _DistributedOptimizer
 
 from .arguments import check_lowrank_use, check_optimizer, dense_steps_of, selection_of, topk_only_settings
 from .auto import DEFAULT_WEIGHT, tuner_for
+from .auto.measure import adam_weights
 from .auto.quality import QUALITY_WEIGHT
 from .compression import TopKEF
 from .settings import PowerSGDSettings, TopKSettings, with_old_keywords, with_value_dtype
@@ -115,8 +117,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopKEF, b
     elastic.register()                   # hvd.elastic.TorchState(optimizer=...) then uses hvd_topk.step.elastic
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticOptimizer),
                dict(_DistributedOptimizer.__dict__, **OVERRIDES))
-    return cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, bool(sparse_as_dense), process_set, settings.momentum_correction)
+    opt = cls(optimizer.param_groups, named_parameters, state, backward_passes_per_step, op,
+              gradient_predivide_factor, groups, bool(sparse_as_dense), process_set, settings.momentum_correction)
+    if tuner is not None:                # auto's quality in the norm of an Adam-type update, where it has one
+        tuner.update_weights = functools.partial(adam_weights, opt, dict(named_parameters))
+    return opt
 
 
 def _build(config, kinds, settings, *, shapes, tuner, reduction, process_set):

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import hvd_topk
 from hvd_topk.auto import trial as trials
-from hvd_topk.auto.measure import lowrank_sizes, sample_quality
+from hvd_topk.auto.measure import adam_weights, lowrank_sizes, sample_quality
 from hvd_topk.auto.plans import Costs, costs_from_data, costs_to_data, plan_transports, tensor_seconds, trial_plans
 from hvd_topk.auto.quality import TOPK, add_sample, kept_fraction, plan_gain, quality_from_row, quality_row
 from hvd_topk.core.sparsify import k_for
@@ -58,6 +58,36 @@ def test_quality_favours_each_compressor_on_its_tensor(hvd):
     assert all(kept_fraction(quality, key, "dense") == 1.0 for key in SHAPES)
     # the ranks agree on the sums as one row: the same figures back
     assert quality_from_row(quality_row(quality, sorted(SHAPES)), sorted(SHAPES)) == quality
+
+
+def test_quality_in_the_norm_of_an_adam_update(hvd):
+    """Half the rows of a rank-1 gradient carry only noise 1e-4 its size: rank 4 sends nearly all of its
+    energy (G > 0.99), but Adam's first steps scale each entry by about 1 / |g| (adam_weights), and in
+    that norm rank 4's error on the smallest entries outweighs what it sends (G < 0: kept_fraction's
+    floor) and Top-K's 2% of the entries send about 2% of the update. Weights of 1 give the plain figures;
+    SGD has none."""
+    lowrank = build_transports(PowerSGDSettings(rank=4), tag="auto.adam", key_index={},
+                               shapes=SHAPES).transports["lowrank"]
+    gen = torch.Generator().manual_seed(3)
+    u = torch.randn(512, 1, generator=gen)
+    u[256:] = 0
+    g = (u @ torch.randn(1, 256, generator=gen) + 1e-4 * torch.randn(512, 256, generator=gen)).reshape(-1)
+    k = k_for(g.numel(), 0.02)
+    plain = sample_quality(g, "fc", k, lowrank)
+    assert sample_quality(g, "fc", k, lowrank, torch.ones_like(g)) == pytest.approx(plain, rel=1e-6)
+    assert plain[2] / plain[0] > 0.99
+    model = nn.Linear(256, 512, bias=False)
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    first = adam_weights(adam, {"fc": model.weight}, "fc", g)                      # before its first step
+    model.weight.grad = g.view(512, 256).clone()
+    adam.step()
+    second = adam_weights(adam, {"fc": model.weight}, "fc", g)                     # the same gradient again
+    for weight in (first, second):                                                 # v_hat = g^2 both times
+        torch.testing.assert_close(weight, 1 / (g.abs() + 1e-8))
+    energy, topk, low = sample_quality(g, "fc", k, lowrank, first)
+    assert low < 0 and kept_fraction({"fc": dict(energy=energy, topk=topk, lowrank=low)}, "fc", "lowrank") < 1e-9
+    assert 0.01 < topk / energy < 0.05
+    assert adam_weights(torch.optim.SGD(model.parameters(), lr=0.1), {"fc": model.weight}, "fc", g) is None
 
 
 def test_each_tensor_takes_its_compressor_and_quality_can_turn_the_choice(hvd):

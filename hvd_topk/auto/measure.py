@@ -2,19 +2,24 @@
 
 ``time_compression`` times this rank's top-k selection, one pass over an accumulator and a thin matrix
 product (σ, π and μ of ``hvd_topk.auto.plans``); ``sample_quality`` measures what Top-K and low rank
-would send of one accumulator (``hvd_topk.auto.quality``); ``HorovodWorld`` has the ranks agree on
-numbers. A test may hand the tuner another world with the same three methods.
+would send of one accumulator (``hvd_topk.auto.quality``), in the norm of an Adam-type optimizer's
+update where it has one (``adam_weights``); ``HorovodWorld`` has the ranks agree on numbers. A test may
+hand the tuner another world with the same three methods.
 """
 import statistics
 
 import torch
 from horovod.torch import mpi_ops
 
-from ..core.lowrank import compressed_rank, kept_energy, m_times_q, matrix_shape, mt_times_p, warm_start
+from ..core.lowrank import (compressed_rank, finish_power_iteration, kept_energy, m_times_q, matrix_shape, mt_times_p,
+                            start_power_iteration, warm_start)
 from ..core.sparsify import k_for, topk_energies, topk_indices
 from ..transports.collectives import agree
 
-__all__ = ["HorovodWorld", "time_compression", "sample_quality", "lowrank_sizes"]
+__all__ = ["HorovodWorld", "time_compression", "sample_quality", "lowrank_sizes", "adam_weights", "ADAM_TYPES"]
+
+# The optimizers whose update scales each gradient entry by 1 / sqrt(v_hat) (``adam_weights``)
+ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)
 
 # The compression timing: a tensor as large as the largest compressed one (this size when none is),
 # capped so that it stays a fraction of a second on a slow host; the median of a few repeats, so that
@@ -79,15 +84,47 @@ def lowrank_sizes(lowrank, names):
     return out
 
 
-def sample_quality(acc, key, k, lowrank):
+def sample_quality(acc, key, k, lowrank, weight=None):
     """(||acc||^2, what Top-K at k sends of it, what low rank sends of it) for this rank's flat
     accumulator of ``key`` (``hvd_topk.auto.quality``); low rank's from its warm start for the key (or
-    the seeded first one), all of it where the key goes dense there."""
-    energy = float(torch.dot(acc.double(), acc.double()))
-    topk = topk_energies(acc, [min(k, acc.numel())])[0]
+    the seeded first one), all of it where the key goes dense there.
+
+    ``weight`` (flat, or None): the norm is ||weight * x|| instead, an Adam-type optimizer's (``adam_weights``):
+    what a compressor leaves out of its update, not of the gradient. Each compressor still chooses as its
+    transport does (Top-K by |acc|, low rank's power iteration on acc); what it sends is the energy less
+    its error, ||w acc||^2 - ||w (acc - C(acc))||^2, which for low rank may be below 0 (its P Q^T adds
+    error where Adam's weights are large)."""
+    if weight is None:
+        energy = float(torch.dot(acc.double(), acc.double()))
+        topk = topk_energies(acc, [min(k, acc.numel())])[0]
+    else:
+        weighted = (weight * acc).double()
+        energy = float(torch.dot(weighted, weighted))
+        topk = float(weighted[topk_indices(acc, min(k, acc.numel()))].square().sum())
     sizes = lowrank_sizes(lowrank, [key]).get(key)
     if not sizes or not sizes[2]:
         return energy, topk, energy
     n, m, r = sizes
     q = warm_start(lowrank.q.get(key), key, m, r, lowrank.seed, acc)
-    return energy, topk, kept_energy(acc.view(n, m), q, lowrank.epsilon)
+    if weight is None:
+        return energy, topk, kept_energy(acc.view(n, m), q, lowrank.epsilon)
+    _, p = start_power_iteration(acc.view(n, m), q, lowrank.epsilon)
+    p, q_new = finish_power_iteration(acc.view(n, m), p, lowrank.epsilon)
+    error = (weight.view(n, m) * (acc.view(n, m) - p @ q_new.T)).double().square().sum()
+    return energy, topk, energy - float(error)
+
+
+def adam_weights(optimizer, params, key, grad):
+    """1 / (sqrt(v_hat) + eps), flat: the factor by which an Adam-type ``optimizer`` (``ADAM_TYPES``)
+    scales each entry of parameter ``key``'s (``params``: name -> parameter) flat gradient ``grad`` in
+    the update that ``grad`` makes: v = beta2 v + (1 - beta2) grad^2 from its state's ``exp_avg_sq``
+    (0 before its first step), v_hat = v / (1 - beta2^(step + 1)), its group's ``betas`` and ``eps``.
+    None for other optimizers (their update is the gradient's own norm) and unknown keys."""
+    p = params.get(key)
+    if not isinstance(optimizer, ADAM_TYPES) or p is None:
+        return None
+    state = optimizer.state.get(p, {})
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    beta2, step, v = group["betas"][1], float(state.get("step", 0)), state.get("exp_avg_sq")
+    v = (1 - beta2) * grad.square() + (0.0 if v is None else beta2 * v.reshape(-1))
+    return 1.0 / ((v / (1.0 - beta2 ** (step + 1))).sqrt() + group["eps"])

@@ -112,8 +112,8 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
         self.every, self.trial_steps, self.trial_rounds, self.threshold = every, trial_steps, trial_rounds, threshold
         self.trial_margin, self.trial_max_rounds = trial_margin, trial_max_rounds
         self.probe, self.world = probe or Probe(repeats=PROBE_REPEATS), HorovodWorld()
-        self.hosts = None                 # HostSets of a job across equal hosts: hierarchical is a candidate
-        self.lowrank = None               # the optimizer's LowRank, where low rank is a candidate
+        self.hosts, self.lowrank = None, None    # HostSets across equal hosts, the optimizer's LowRank: candidates
+        self.update_weights = None        # (key, grad) -> Adam's factor per entry, or None (adam_weights)
         self.first_step = 0               # the last dense step: quality sampled from it on (probe: >= 1)
         self.start = "dense"              # the transport before the first decision (the optimizer's: see mode)
         # agreed measurements
@@ -170,9 +170,10 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
         this rank's quality sums; else one accumulator's top-k energies for every candidate ratio (never
         both: the adaptive ratio leaves low rank out). The quality is the fresh gradient's: an
         accumulator's residual is what the plans of the last steps left, so a trial would measure its arms."""
-        if self.lowrank is not None:
-            self.quality_sums = add_sample(self.quality_sums, key, *sample_quality(grad.reshape(-1), key, k,
-                                                                                  self.lowrank))
+        if self.lowrank is not None:            # in the norm of the update (Adam's: update_weights)
+            g = grad.reshape(-1)
+            weight = self.update_weights and self.update_weights(key, g)
+            self.quality_sums = add_sample(self.quality_sums, key, *sample_quality(g, key, k, self.lowrank, weight))
             return
         energies = topk_energies(acc, [k_for(acc.numel(), c) for c in self.ratios])
         row = energies + [float(torch.dot(acc.double(), acc.double()))]
