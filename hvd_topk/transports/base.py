@@ -16,7 +16,7 @@ Invariants, which tests/test_transports.py checks for every transport on real ra
    A transport that computes the residual itself gives this rank's new residual in ``out.residual``
    instead; the caller takes it as it is (``sent`` then only says where momentum correction masks).
    Low rank does (no entry leaves whole, ``sent`` None), dense in fp16 (``DenseFP16``: ``acc`` less
-   its fp16 values, whose sums Horovod rounds in fp16), and so do split_reduce and allgather with
+   its fp16 values, summed in float32), and so do split_reduce and allgather with
    16-bit values: an entry leaves as its decoded value d (``hvd_topk.core.codec.sent_values``), so
    the residual keeps ``acc - d`` there, exact in float32; an owner of split_reduce also keeps the
    rounding of the sums it coded again (``s - coded(s)``) at the indices it kept. Over the ranks, in

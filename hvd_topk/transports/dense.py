@@ -9,16 +9,22 @@ ranks). Everything is sent, so the residual is flushed (``sent`` None).
 ``DenseFP16`` (auto's ``'dense_fp16'``) sends every entry in fp16, half of dense's bytes, and keeps what
 fp16 did not carry in the residual (``Outcome.residual``, ``acc - sent``), as split_reduce does with
 its 16-bit values: the rounding, the entries below fp16's range, and the excess of any entry clamped to
-the largest power of two under 65504 / (ranks x prescale), so that no sum of the ranks' values can
-overflow to inf (a power of two: fp16 holds it exactly, where a rounded limit could round up). (Horovod's CPU
-allreduce takes float16, not bfloat16.) A non-finite rank sends NaN, so every rank skips the step.
+the largest power of two under 65504 / ranks, so that no sum of the ranks' values can overflow to inf
+(a power of two: fp16 holds it exactly, where a rounded limit could round up). The float16 values are
+summed by exchange in float32 (``lowrank_wire.sum_end_to_end``, as low rank's P and Q: Horovod adds
+float16 in software, 3x the time of float32, and rounds every partial sum), the same bits on every
+rank; Horovod's op and scale factors are applied to the sum. A non-finite rank sends NaN, so every rank
+skips the step.
 """
 import math
 
 import torch
+from horovod.torch import mpi_ops
 
 from ..core.sparsify import sq_norm_finite
 from .base import Outcome, Started
+from .collectives import Waits
+from .lowrank_wire import sum_end_to_end
 
 __all__ = ["Dense", "DenseFP16"]
 
@@ -42,31 +48,47 @@ class Dense:
     def start(self, key, acc, k=None, finite=None, grad=None, step=None, k_next=None):
         vdtype = self.value_dtype or acc.dtype
         buf = acc if acc.dtype == vdtype else acc.to(vdtype)
-        return self._send(key, acc, buf, None)
-
-    def _send(self, key, acc, buf, residual):
         r = self.reduction
         wait = self.collectives.allreduce(key, buf, f"hvd_topk.{self.name}.{key}", r.op, r.prescale, r.postscale)
 
         def finish():
             out = wait()
-            return Outcome(out.to(acc.dtype), None, residual=residual) if sq_norm_finite(out)[1] else \
-                Outcome(None, None)
+            return Outcome(out.to(acc.dtype) if sq_norm_finite(out)[1] else None, None)
         return Started(buf.numel() * buf.element_size(), 0.0, finish)
 
 
-class DenseFP16(Dense):
-    """Allreduce everything in fp16; what fp16 does not carry stays in the residual (module docstring)."""
+class DenseFP16:
+    """Every entry in fp16, summed by exchange; what fp16 does not carry stays in the residual (module
+    docstring). Its collectives are its own (``sum_end_to_end``), not ``collectives``' groups.
+
+    Args:
+        collectives: the ``Collectives`` whose process set the values are summed over.
+        reduction: ``Reduction``: Horovod's op and scale factors, applied to the sum.
+        name: middle part of the collectives' names (``hvd_topk.<name>.<key>.float16``).
+    """
 
     def __init__(self, collectives, reduction, name="values16"):
-        super().__init__(collectives, reduction, torch.float16, name)
+        self.collectives, self.name = collectives, name
         ranks = collectives.process_set.size()
-        # the largest value a rank sends: N of them, prescaled, still sum to at most fp16's largest
-        most = torch.finfo(torch.float16).max / (ranks * max(1.0, abs(reduction.prescale)))
-        self.limit = 2.0 ** math.floor(math.log2(most))
+        # the largest value a rank sends: N of them still sum to at most fp16's largest (a shard's sum
+        # goes back to float16 on more than 2 ranks)
+        self.limit = 2.0 ** math.floor(math.log2(torch.finfo(torch.float16).max / ranks))
+        r = reduction
+        self.scale = r.prescale * r.postscale / (ranks if r.op == mpi_ops.Average else 1)
+
+    def forget(self):
+        """Nothing outlives a step."""
 
     def start(self, key, acc, k=None, finite=None, grad=None, step=None, k_next=None):
         buf = acc.clamp(-self.limit, self.limit).to(torch.float16)
         if not bool(torch.isfinite(acc).all()):     # clamp would turn inf into a finite value
             buf[0] = float("nan")
-        return self._send(key, acc, buf, acc - buf.to(acc.dtype))
+        residual = acc - buf.to(acc.dtype)
+        waits = Waits(sum_end_to_end([buf], f"hvd_topk.{self.name}.{key}", self.collectives.process_set))
+
+        def finish():
+            total = waits.finish()[0][0]
+            if not sq_norm_finite(total)[1]:
+                return Outcome(None, None)
+            return Outcome((total * self.scale).to(acc.dtype), None, residual=residual)
+        return Started(buf.numel() * buf.element_size(), 0.0, finish)
