@@ -90,6 +90,29 @@ def test_quality_in_the_norm_of_an_adam_update(hvd):
     assert adam_weights(torch.optim.SGD(model.parameters(), lr=0.1), {"fc": model.weight}, "fc", g) is None
 
 
+def test_auto_samples_quality_in_the_wrapped_adams_norm(hvd):
+    """The optimizer hands its tuner the weights of its own (wrapped) AdamW state; an SGD one has none.
+    Two steps of auto on one rank: the samples of the AdamW run are in its update's norm, where Top-K's
+    5% of a dense gradient's entries send far less than in the gradient's own."""
+    def run(make):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = hvd_topk.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                            communication="auto", compression=hvd_topk.TopKEF(ratio=0.05, min_numel=64))
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(16, 64)).pow(2).mean().backward()
+            opt.step()
+        tuner = opt._hvd_topk.tuner
+        g = torch.ones(64 * 32)
+        return tuner.update_weights("0.weight", g), kept_fraction(tuner.quality, "0.weight", "artopk")
+
+    adam_weight, adam_topk = run(lambda params: torch.optim.AdamW(params, lr=1e-3))
+    sgd_weight, sgd_topk = run(lambda params: torch.optim.SGD(params, lr=0.1))
+    assert adam_weight is not None and adam_weight.shape == (64 * 32,) and sgd_weight is None
+    assert adam_topk < 0.5 * sgd_topk, (adam_topk, sgd_topk)
+
+
 def test_each_tensor_takes_its_compressor_and_quality_can_turn_the_choice(hvd):
     numels = {key: math.prod(shape) for key, shape in SHAPES.items()}
     quality, sizes = quality_of(hvd, 0.02)
