@@ -68,19 +68,18 @@ class DenseFP16:
     """
 
     def __init__(self, collectives, reduction, name="values16"):
-        self.collectives, self.name = collectives, name
-        ranks = collectives.process_set.size()
-        # the largest value a rank sends: N of them still sum to at most fp16's largest (a shard's sum
-        # goes back to float16 on more than 2 ranks)
-        self.limit = 2.0 ** math.floor(math.log2(torch.finfo(torch.float16).max / ranks))
-        r = reduction
-        self.scale = r.prescale * r.postscale / (ranks if r.op == mpi_ops.Average else 1)
+        self.collectives, self.reduction, self.name = collectives, reduction, name
 
     def forget(self):
         """Nothing outlives a step."""
 
     def start(self, key, acc, k=None, finite=None, grad=None, step=None, k_next=None):
-        buf = acc.clamp(-self.limit, self.limit).to(torch.float16)
+        ranks, r = self.collectives.process_set.size(), self.reduction      # read each step: elastic resizes
+        # the largest value a rank sends: N of them still sum to at most fp16's largest (a shard's sum
+        # goes back to float16 on more than 2 ranks)
+        limit = 2.0 ** math.floor(math.log2(torch.finfo(torch.float16).max / ranks))
+        scale = r.prescale * r.postscale / (ranks if r.op == mpi_ops.Average else 1)
+        buf = acc.clamp(-limit, limit).to(torch.float16)
         if not bool(torch.isfinite(acc).all()):     # clamp would turn inf into a finite value
             buf[0] = float("nan")
         residual = acc - buf.to(acc.dtype)
@@ -90,5 +89,5 @@ class DenseFP16:
             total = waits.finish()[0][0]
             if not sq_norm_finite(total)[1]:
                 return Outcome(None, None)
-            return Outcome((total * self.scale).to(acc.dtype), None, residual=residual)
+            return Outcome((total * scale).to(acc.dtype), None, residual=residual)
         return Started(buf.numel() * buf.element_size(), 0.0, finish)
