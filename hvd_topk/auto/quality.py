@@ -9,7 +9,8 @@ G, the fraction of the tensor's accumulator energy it sends at once::
 the optimizer's update: the gradient's own, or with an Adam-type optimizer ||g / (sqrt(v_hat) + eps)||,
 the norm its update has (``hvd_topk.auto.measure.adam_weights``; there a compressor's error can exceed
 what it sends, and G is floored). Dense sends all (G = 1); the Top-K transports the top-k at the
-density in use (``topk_energies``); low rank one warm-started power iteration's P Q^T (``hvd_topk.core.lowrank.kept_energy``). ``hvd_topk.auto`` samples
+density in use (``topk_energies``); low rank one warm-started power iteration's P Q^T
+(``hvd_topk.core.lowrank.kept_energy``). ``hvd_topk.auto`` samples
 them on this rank's gradients (not the accumulators: their residuals are what the plans of the last
 steps left, so a trial would measure its own arms) at the probe's step and at the first step of every
 turn of the trial (a step not timed), and the ranks agree on their sums (``quality_row``/``quality_from_row``).

@@ -80,7 +80,7 @@ class DenseFP16:
         limit = 2.0 ** math.floor(math.log2(torch.finfo(torch.float16).max / ranks))
         scale = r.prescale * r.postscale / (ranks if r.op == mpi_ops.Average else 1)
         buf = acc.clamp(-limit, limit).to(torch.float16)
-        if not bool(torch.isfinite(acc).all()):     # clamp would turn inf into a finite value
+        if not sq_norm_finite(acc)[1]:              # clamp would turn inf into a finite value
             buf[0] = float("nan")
         residual = acc - buf.to(acc.dtype)
         waits = Waits(sum_end_to_end([buf], f"hvd_topk.{self.name}.{key}", self.collectives.process_set))
