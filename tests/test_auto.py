@@ -41,8 +41,8 @@ def test_tensor_seconds_hand_computed():
     assert math.isclose(t["artopk"], 8e-5 + 4e4 * 1e-11 * 3.5 + 1e-3 / 4 + 2e-4)
     # split_reduce: α·12 + 1.5·(Mc + 520)·β + σn + πn (packed as allgather's)
     assert math.isclose(t["split_reduce"], 1.2e-4 + 1.5 * (4e4 + 520) * 1e-11 + 1e-3 + 1e-4)
-    # dense in fp16: 6α + 1.5·(M/2)β, and two passes (the clamp, the residual)
-    assert math.isclose(t["dense_fp16"], 6e-5 + 1.5 * 2e6 * 1e-11 + 2e-4)
+    # dense in fp16: 6α + 1.5·(M/2)β, and its eight passes (FP16_PASSES)
+    assert math.isclose(t["dense_fp16"], 6e-5 + 1.5 * 2e6 * 1e-11 + 8e-4)
     assert tuple(t) == TRANSPORTS == ("dense", "dense_fp16", "artopk", "split_reduce", "allgather")
 
 
@@ -75,12 +75,11 @@ def test_trial_plans_are_the_models_plan_and_the_plausible_uniform_ones():
         assert len(set(plan.values())) == 1
         assert plan_seconds(numels, plan, 0.01, 4, SLOW) <= 4 * plan_seconds(numels, slow[0], 0.01, 4, SLOW)
     assert {"w": "split_reduce", "v": "split_reduce"} in slow         # a uniform plan of the new transport
-    # a fast link: dense is the model's choice, dense in fp16 (its two passes) is modelled 2.0x dearer and
-    # artopk 3.5x (tried), allgather 6.7x (not)
+    # a fast link: dense is the model's choice, artopk is modelled 3.5x dearer (tried), dense in fp16 5.6x
+    # (its passes cost more than the bytes it saves) and allgather 6.7x (not)
     dense, artopk = {"w": "dense", "v": "dense"}, {"w": "artopk", "v": "artopk"}
-    fp16 = {"w": "dense_fp16", "v": "dense_fp16"}
-    assert trial_plans(numels, 0.01, 4, FAST) == [dense, fp16, artopk]
-    assert trial_plans(numels, 0.01, 4, FAST, span=3.0) == [dense, fp16]
+    assert trial_plans(numels, 0.01, 4, FAST) == [dense, artopk]
+    assert trial_plans(numels, 0.01, 4, FAST, span=3.0) == [dense]
     # an expensive selection: everything sparse is modelled > 100x dearer, nothing to measure
     assert trial_plans(numels, 0.01, 4, CPU_BOUND) == [dense]
 
