@@ -81,8 +81,9 @@ TRIAL_SPAN = 4.0
 # plan, plus its modelled seconds) is within this factor of the model plan's is measured too: the
 # trial's own clear gap (``hvd_topk.auto.trial.CLEAR_GAP``), beyond which a plan leaves it at once.
 WHOLE_STEP_SPAN = 1.5
-# DenseFP16's passes over a tensor (the module docstring's list): with 2 counted, the model put dense_fp16
-# ahead of dense on an unlimited loopback, where its step measured 1.10x dense's.
+# DenseFP16's passes over a tensor (the module docstring's list). On an unlimited loopback its step
+# measured 1.06-1.11x dense's, and even at 8 the model priced it below dense there (π is timed as one
+# in-place add; its passes allocate): the trial kept dense (docs/studies/2026-11-auto-against-peers.md).
 FP16_PASSES = 8
 
 
