@@ -16,6 +16,7 @@ from hvd_topk import TopKEF
 from hvd_topk.auto import recheck, trial as trials
 from hvd_topk.auto.plans import (TRANSPORTS, Costs, HostLink, costs_from_data, costs_to_data, plan_seconds,
                                  plan_transports, tensor_seconds, trial_plans, uniform_plan)
+from hvd_topk.auto.measure import time_compression
 from hvd_topk.auto.recheck import choose_ratio
 from hvd_topk.auto.tuner import AutoTuner
 from hvd_topk.core.sparsify import topk_energies
@@ -44,6 +45,28 @@ def test_tensor_seconds_hand_computed():
     # dense in fp16: 6α + 1.5·(M/2)β, and its eight passes (FP16_PASSES)
     assert math.isclose(t["dense_fp16"], 6e-5 + 1.5 * 2e6 * 1e-11 + 8e-4)
     assert tuple(t) == TRANSPORTS == ("dense", "dense_fp16", "artopk", "split_reduce", "allgather")
+
+
+def test_dense_fp16_is_priced_at_its_timed_work_and_loses_to_dense_where_the_link_is_fast():
+    """Costs.fp16_s (φ, timed by measure.time_compression) replaces the FP16_PASSES estimate, which
+    only costs measured before φ was (fp16_s None) still use. On a fast loopback (β 1.2e-9 s/B) φ of
+    5e-9 s costs more than the 2n bytes saved: dense; at 100 Mbit/s the bytes win: dense_fp16."""
+    loopback = Costs(alpha=2e-5, beta=1.2e-9, select_s=2e-8, pass_s=1e-10)
+    t8, timed = (tensor_seconds(10**6, 0.01, 2, loopback._replace(fp16_s=f)) for f in (None, 5e-9))
+    assert timed["dense_fp16"] - t8["dense_fp16"] == pytest.approx(10**6 * (5e-9 - 8e-10), rel=1e-9)
+    assert t8["dense"] > t8["dense_fp16"] and timed["dense"] < timed["dense_fp16"]
+    numels = {"conv": 10**6}
+    assert plan_transports(numels, 1.0, 2, loopback._replace(fp16_s=5e-9)) == {"conv": "dense"}
+    assert plan_transports(numels, 1.0, 2, SLOW._replace(fp16_s=5e-9)) == {"conv": "dense_fp16"}
+    assert costs_from_data(costs_to_data(SLOW._replace(fp16_s=5e-9))).fp16_s == 5e-9
+    assert costs_from_data(costs_to_data(SLOW)[:7]) == SLOW                     # an older checkpoint
+
+
+def test_time_compression_times_dense_fp16s_own_work_above_one_pass():
+    """φ is dense_fp16's encoding, residual, adds and scale (each allocating), not one in-place pass:
+    several times π. A priced-at-one-pass φ (the fast-link regression's cause) would fail here."""
+    select_s, pass_s, matmul_s, fp16_s = time_compression({"w": 1 << 18}, 0.01, time.perf_counter)
+    assert min(select_s, pass_s, matmul_s, fp16_s) > 0 and fp16_s > 3 * pass_s
 
 
 def test_plan_picks_allgather_tiny_density_fast_link_and_split_reduce_slow_many():

@@ -69,15 +69,15 @@ class CollectiveSteps:
         if kept:
             reason += ", re-probe without a bandwidth term: last alpha/beta kept"
         numels = self._numels(state)
-        select_s, pass_s, matmul_s, fixed_s = self._agree_quality(
+        select_s, pass_s, matmul_s, fp16_s, fixed_s = self._agree_quality(
             sorted(numels), time_compression(state.sparse_numels, state.ratio, state.clock) + [max(0.0, fixed_s)],
             "hvd_topk.auto.costs")
         self.quality_sums = {}
         link, hosts_s = (None, 0.0) if self.hosts is None else probe_hosts(self.hosts, PROBE_REPEATS)
         reason += f", probe {res.wall_s + hosts_s:.1f} s"           # rank 0's: the same history everywhere
-        self.costs = Costs(alpha, beta, select_s, pass_s, link, matmul_s, state.transports["split_reduce"].budget)
-        self.calibration = None
-        self.last_probe_check = step
+        self.costs = Costs(alpha, beta, select_s, pass_s, link, matmul_s, state.transports["split_reduce"].budget,
+                           fp16_s)
+        self.calibration, self.last_probe_check = None, step
         if not self.auto_transport:
             self._record(step, state.ratio, reason)
             return

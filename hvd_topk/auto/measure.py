@@ -1,10 +1,11 @@
 """What the tuner measures of this machine, and its one contact with the other ranks.
 
-``time_compression`` times this rank's top-k selection, one pass over an accumulator and a thin matrix
-product (σ, π and μ of ``hvd_topk.auto.plans``); ``sample_quality`` measures what Top-K and low rank
-would send of one accumulator (``hvd_topk.auto.quality``), in the norm of an Adam-type optimizer's
-update where it has one (``adam_weights``); ``HorovodWorld`` has the ranks agree on numbers. A test may
-hand the tuner another world with the same three methods.
+``time_compression`` times this rank's top-k selection, one pass over an accumulator, a thin matrix
+product and dense_fp16's own work around its exchange (σ, π, μ and φ of ``hvd_topk.auto.plans``);
+``sample_quality`` measures what Top-K and low rank would send of one accumulator
+(``hvd_topk.auto.quality``), in the norm of an Adam-type optimizer's update where it has one
+(``adam_weights``); ``HorovodWorld`` has the ranks agree on numbers. A test may hand the tuner another
+world with the same three methods.
 """
 import statistics
 
@@ -14,7 +15,8 @@ from horovod.torch import mpi_ops
 from ..core.lowrank import (compressed_rank, finish_power_iteration, kept_energy, m_times_q, matrix_shape, mt_times_p,
                             start_power_iteration, warm_start)
 from ..core.sparsify import k_for, topk_energies, topk_indices
-from ..transports.collectives import agree
+from ..transports.collectives import add_rows, agree
+from ..transports.dense import decode_sum, encode_fp16
 
 __all__ = ["HorovodWorld", "time_compression", "sample_quality", "lowrank_sizes", "adam_weights", "ADAM_TYPES"]
 
@@ -51,14 +53,15 @@ class HorovodWorld:
 
 def time_compression(numels, ratio, clock):
     """This rank's [s per element of a top-k selection, s per element of one pass, s per multiply-add of
-    a thin matrix product (M Q and M^T P at rank 4)], from a tensor as large as the largest of
-    ``numels`` (dict name -> elements), capped at ``_TIMING_MAX_NUMEL``."""
+    a thin matrix product (M Q and M^T P at rank 4), s per element of dense_fp16's work around its
+    exchange (its encoding and residual, the adds of 2 ranks' values, the scale)], from a tensor as large
+    as the largest of ``numels`` (dict name -> elements), capped at ``_TIMING_MAX_NUMEL``."""
     n = min(max(numels.values(), default=_TIMING_NUMEL_NO_TENSOR), _TIMING_MAX_NUMEL)
     x = torch.randn(n, generator=torch.Generator().manual_seed(_TIMING_SEED))
     k = k_for(n, ratio)
     rows = max(1, int(n ** 0.5))
     matrix, q = x[:rows * (n // rows)].view(rows, -1), torch.ones(n // rows, _TIMING_RANK)
-    sel, sweep, products = [], [], []
+    sel, sweep, products, fp16 = [], [], [], []
     for _ in range(_TIMING_REPEATS):
         t0 = clock()
         topk_indices(x, k)
@@ -66,11 +69,16 @@ def time_compression(numels, ratio, clock):
         x.add_(x, alpha=0.0)
         t2 = clock()
         mt_times_p(matrix, m_times_q(matrix, q))     # the transport's own products
-        products.append(clock() - t2)
+        t3 = clock()
+        # the transport's own functions; the cat stands for the allgather's output (the copy Horovod makes)
+        buf, _ = encode_fp16(x, 2)
+        decode_sum(add_rows(torch.cat([buf, buf]).view(2, n)), 0.5, x.dtype)
+        fp16.append(clock() - t3)
+        products.append(t3 - t2)
         sweep.append(t2 - t1)
         sel.append(t1 - t0)
     return [statistics.median(sel) / n, statistics.median(sweep) / n,
-            statistics.median(products) / (2 * matrix.numel() * _TIMING_RANK)]
+            statistics.median(products) / (2 * matrix.numel() * _TIMING_RANK), statistics.median(fp16) / n]
 
 
 def lowrank_sizes(lowrank, names):

@@ -4,18 +4,20 @@ Pure functions over plain numbers and dicts (``hvd_topk.auto`` applies them, see
 docs/auto.md). For every compressed tensor (n elements, density c, N ranks) the modelled seconds are::
 
     dense         dense_ring(M = 4n)                              a plain allreduce, nothing selected
-    dense_fp16    dense_ring(2n) + 8π·n                           the same in fp16; ``DenseFP16``'s passes:
-                                                                  clamp, finite check, cast, cast back,
-                                                                  residual, two adds of the rows, scale
+    dense_fp16    dense_ring(2n) + φ·n                            the same in fp16; φ: ``DenseFP16``'s own
+                                                                  work (cast, clamp, finite checks,
+                                                                  residual, adds of the rows, scale)
     artopk        artopk_ring(M, c)  + σ·n/N + 2π·n               the leader selects, all gather values
     split_reduce  split_reduce(M, c) + σ·n + π·n                  every rank selects its own top-k; the
                                                                   owners' sums are O(k), left out
     allgather     allgather(M, c)    + σ·n + π·n                  every rank selects its own top-k
 
 with the communication terms of ``hvd_topk.auto.costmodel``, σ the seconds per element of one exact top-k
-selection and π the seconds per element of one pass over the accumulator (the leader role rotates, so
-each rank selects 1/N of the tensors). split_reduce and allgather are priced at ``ENTRY_BYTES`` per kept
-entry (bf16 values and 16-bit index offsets, the transports' default); their latency per tensor, though
+selection, π the seconds per element of one pass over the accumulator (the leader role rotates, so
+each rank selects 1/N of the tensors) and φ (``Costs.fp16_s``) the seconds per element of dense_fp16's
+work around its exchange, timed with its own functions: its allocations cost it 15-100 π.
+split_reduce and allgather are priced at ``ENTRY_BYTES`` per kept entry (bf16 values and 16-bit index
+offsets, the transports' default); their latency per tensor, though
 they send a bucket of tensors per collective, so the model overprices them where buckets hold many.
 split_reduce's gather is priced at the sums its owners keep: ``budget_at(costs.budget, N)`` times k
 (``Costs.budget``, TopKSettings' budget; over H ranks across the hosts).
@@ -81,9 +83,9 @@ TRIAL_SPAN = 4.0
 # plan, plus its modelled seconds) is within this factor of the model plan's is measured too: the
 # trial's own clear gap (``hvd_topk.auto.trial.CLEAR_GAP``), beyond which a plan leaves it at once.
 WHOLE_STEP_SPAN = 1.5
-# DenseFP16's passes over a tensor (the module docstring's list). On an unlimited loopback its step
-# measured 1.06-1.11x dense's, and even at 8 the model priced it below dense there (π is timed as one
-# in-place add; its passes allocate): the trial kept dense (docs/studies/2026-11-auto-against-peers.md).
+# DenseFP16's work around its exchange in passes over a tensor, for costs measured before it was timed
+# (``Costs.fp16_s`` None): an older checkpoint's. Timed, it is 15-100 π (π is one in-place add; its
+# passes allocate).
 FP16_PASSES = 8
 
 
@@ -106,6 +108,7 @@ class Costs(NamedTuple):
     hosts: Optional[HostLink] = None       # a job across equal hosts: hierarchical is modelled too
     matmul_s: float = 0.0   # s per multiply-add of a thin matrix product (low rank's M Q and M^T P)
     budget: Optional[float] = None         # TopKSettings.budget: the sums split_reduce gathers (budget_at)
+    fp16_s: Optional[float] = None         # s per element of dense_fp16's own work (None: FP16_PASSES · π)
 
 
 def transports_of(costs, lowrank=None):
@@ -123,16 +126,17 @@ def link_figures(costs):
 def costs_to_data(costs):
     """``Costs`` (or None) as plain tuples, for a checkpoint."""
     return None if costs is None else \
-        tuple(costs[:4]) + (None if costs.hosts is None else tuple(costs.hosts), costs.matmul_s, costs.budget)
+        tuple(costs[:4]) + (None if costs.hosts is None else tuple(costs.hosts),) + tuple(costs[5:])
 
 
 def costs_from_data(data):
-    """The ``Costs`` of ``costs_to_data``'s tuples (an older checkpoint's four to six too)."""
+    """The ``Costs`` of ``costs_to_data``'s tuples (an older checkpoint's four to seven too)."""
     if data is None:
         return None
     hosts = data[4] if len(data) > 4 else None
     return Costs(*data[:4], hosts=None if hosts is None else HostLink(*hosts),
-                 matmul_s=data[5] if len(data) > 5 else 0.0, budget=data[6] if len(data) > 6 else None)
+                 matmul_s=data[5] if len(data) > 5 else 0.0, budget=data[6] if len(data) > 6 else None,
+                 fp16_s=data[7] if len(data) > 7 else None)
 
 
 def tensor_seconds(numel, density, n_workers, costs, value_bytes=4, lowrank=None):
@@ -142,7 +146,8 @@ def tensor_seconds(numel, density, n_workers, costs, value_bytes=4, lowrank=None
                           value_bytes=value_bytes, entry_bytes=ENTRY_BYTES, kept=budget_at(costs.budget, n_workers))
     select, sweep = costs.select_s * numel, costs.pass_s * numel
     half = costmodel.predict(n_workers, numel * min(value_bytes, 2), 1.0, costs.alpha, costs.beta)["dense_ring"]
-    seconds = {"dense": t["dense_ring"], "dense_fp16": half + FP16_PASSES * sweep,
+    fp16 = (FP16_PASSES * costs.pass_s if costs.fp16_s is None else costs.fp16_s) * numel
+    seconds = {"dense": t["dense_ring"], "dense_fp16": half + fp16,
                "artopk": t["artopk_ring"] + select / n_workers + 2 * sweep,
                "split_reduce": t["split_reduce"] + select + sweep,
                "allgather": t["allgather"] + select + sweep}

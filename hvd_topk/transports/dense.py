@@ -26,7 +26,7 @@ from .base import Outcome, Started
 from .collectives import Waits
 from .lowrank_wire import sum_end_to_end
 
-__all__ = ["Dense", "DenseFP16"]
+__all__ = ["Dense", "DenseFP16", "encode_fp16", "decode_sum"]
 
 
 class Dense:
@@ -75,19 +75,32 @@ class DenseFP16:
 
     def start(self, key, acc, k=None, finite=None, grad=None, step=None, k_next=None):
         ranks, r = self.collectives.process_set.size(), self.reduction      # read each step: elastic resizes
-        # the largest value a rank sends: N of them still sum to at most fp16's largest (a shard's sum
-        # goes back to float16 on more than 2 ranks)
-        limit = 2.0 ** math.floor(math.log2(torch.finfo(torch.float16).max / ranks))
         scale = r.prescale * r.postscale / (ranks if r.op == mpi_ops.Average else 1)
-        buf = acc.clamp(-limit, limit).to(torch.float16)
-        if not sq_norm_finite(acc)[1]:              # clamp would turn inf into a finite value
-            buf[0] = float("nan")
-        residual = acc - buf.to(acc.dtype)
+        buf, residual = encode_fp16(acc, ranks)
         waits = Waits(sum_end_to_end([buf], f"hvd_topk.{self.name}.{key}", self.collectives.process_set))
 
         def finish():
-            total = waits.finish()[0][0]
-            if not sq_norm_finite(total)[1]:
-                return Outcome(None, None)
-            return Outcome((total * scale).to(acc.dtype), None, residual=residual)
+            total = decode_sum(waits.finish()[0][0], scale, acc.dtype)
+            return Outcome(None, None) if total is None else Outcome(total, None, residual=residual)
         return Started(buf.numel() * buf.element_size(), 0.0, finish)
+
+
+def encode_fp16(acc, ranks):
+    """(``acc`` in fp16, clamped so that ``ranks`` values sum to at most fp16's largest, NaN first where
+    ``acc`` is not finite; what fp16 did not carry, ``acc - buf``). Also timed by
+    ``hvd_topk.auto.measure.time_compression``: the model prices dense_fp16 at this work."""
+    # the largest value a rank sends: N of them still sum to at most fp16's largest (a shard's sum
+    # goes back to float16 on more than 2 ranks)
+    limit = 2.0 ** math.floor(math.log2(torch.finfo(torch.float16).max / ranks))
+    buf = acc.clamp(-limit, limit).to(torch.float16)
+    if not sq_norm_finite(acc)[1]:              # clamp would turn inf into a finite value
+        buf[0] = float("nan")
+    return buf, acc - buf.to(acc.dtype)
+
+
+def decode_sum(total, scale, dtype):
+    """The ranks' float32 sum ``total`` scaled to Horovod's op, in ``dtype``; None where it is not finite
+    (a rank sent NaN). Also timed by ``hvd_topk.auto.measure.time_compression``."""
+    if not sq_norm_finite(total)[1]:
+        return None
+    return (total * scale).to(dtype)
