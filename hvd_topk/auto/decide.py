@@ -74,7 +74,7 @@ class CollectiveSteps:
             "hvd_topk.auto.costs")
         self.quality_sums = {}
         link, hosts_s = (None, 0.0) if self.hosts is None else probe_hosts(self.hosts, PROBE_REPEATS)
-        reason += f", probe {res.wall_s + hosts_s:.1f} s"           # rank 0's: the same history everywhere
+        reason += f", probe {res.wall_s + hosts_s:.1f} s, {fixed_s * 1e3:.0f} ms/step outside communication"
         self.costs = Costs(alpha, beta, select_s, pass_s, link, matmul_s, state.transports["split_reduce"].budget,
                            fp16_s)
         self.calibration, self.last_probe_check = None, step

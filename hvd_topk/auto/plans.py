@@ -49,6 +49,8 @@ lists the plans worth checking by measurement (``hvd_topk.auto.trial``): those w
 the model's plan in communication, and, where compute dominates a step, those within
 ``WHOLE_STEP_SPAN`` of it in whole steps (the step's measured part outside communication added to
 every plan's seconds): dense's bytes may cost a compute-bound step little, and its steps are exact.
+Neither lets in a plan whose J would be beyond ``WHOLE_STEP_SPAN`` of the model plan's whole step even
+if it communicated in no time (Top-K's G of 0.01-0.02 in the norm of AdamW's update on the char LM).
 """
 import math
 from typing import NamedTuple, Optional
@@ -234,8 +236,10 @@ def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=TRIAL_SPA
     for all tensors, in ``transports_of`` order) whose modelled J (its seconds over its energy-weighted
     G^w, ``quality.plan_gain``) is within ``span`` x the model's plan's, or whose J of a whole step
     (``fixed_s``, the step's measured seconds outside communication, added to the seconds) is within
-    ``WHOLE_STEP_SPAN`` x the model's plan's. Low rank's uniform plan sends only the tensors of
-    ``lowrank`` with it, the others as the model's plan does.
+    ``WHOLE_STEP_SPAN`` x the model's plan's; but not a plan whose J would exceed that even at a step of
+    ``fixed_s`` alone (no communication at all): its G is its handicap, and the trial would drop it after
+    its first counted round (``trial.quality_gaps``), having trained with it. Low rank's uniform plan
+    sends only the tensors of ``lowrank`` with it, the others as the model's plan does.
 
     Example:
         >>> slow = Costs(alpha=1e-4, beta=8e-8, select_s=1e-9, pass_s=1e-10)       # 100 Mbit/s
@@ -253,8 +257,9 @@ def trial_plans(numels, density, n_workers, costs, value_bytes=4, span=TRIAL_SPA
     best, best_step, arms = j(plan), j(plan, fixed_s), [plan]
     for mode in transports_of(costs, lowrank):
         uniform = dict(plan, **uniform_plan(lowrank, mode)) if mode == LOWRANK else uniform_plan(numels, mode)
-        if uniform not in arms and (j(uniform) <= span * best or
-                                    fixed_s > 0 and j(uniform, fixed_s) <= WHOLE_STEP_SPAN * best_step):
+        futile = fixed_s / plan_gain(uniform, quality) ** weight > WHOLE_STEP_SPAN * best_step
+        if uniform not in arms and not futile and (
+                j(uniform) <= span * best or fixed_s > 0 and j(uniform, fixed_s) <= WHOLE_STEP_SPAN * best_step):
             arms.append(uniform)
     return arms
 
