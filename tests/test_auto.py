@@ -125,6 +125,22 @@ def test_a_compute_bound_step_puts_the_dense_plans_on_trial():
         [uniform_plan(numels, "dense"), uniform_plan(numels, "dense_fp16")] + sparse[1:]      # dense's 1.39x
 
 
+def test_between_dense_plans_the_trial_span_is_the_clear_gap():
+    """At density 0.7 on 2 ranks and 100 Mbit/s the model sends everything in fp16. All artopk is modelled
+    2.8x dearer and is tried (TRIAL_SPAN: its selection may lose to CPU competition by that much); all
+    dense is modelled 2.0x, its bytes twice fp16's through the same allreduce, beyond the clear gap
+    (WHOLE_STEP_SPAN), and is not; a compute-bound step that hides its bytes puts it back on trial."""
+    numels = {"w": 10 ** 6, "v": 10 ** 5}
+    fp16, dense, artopk = (uniform_plan(numels, m) for m in ("dense_fp16", "dense", "artopk"))
+    assert plan_transports(numels, 0.7, 2, SLOW) == fp16
+    seconds = {m: plan_seconds(numels, uniform_plan(numels, m), 0.7, 2, SLOW) for m in ("dense", "artopk")}
+    base = plan_seconds(numels, fp16, 0.7, 2, SLOW)
+    assert 1.5 * base < seconds["dense"] < seconds["artopk"] < 4 * base
+    plans = trial_plans(numels, 0.7, 2, SLOW)
+    assert plans[0] == fp16 and artopk in plans and dense not in plans
+    assert dense in trial_plans(numels, 0.7, 2, SLOW, fixed_s=1.0)
+
+
 # 2 hosts x 2 ranks: a fast link within each host, 100 Mbit/s shared by both positions between them
 ACROSS = SLOW._replace(hosts=HostLink(hosts=2, per_host=2, host_alpha=1e-5, host_beta=1e-10, cross_alpha=1e-4,
                                       cross_beta=1.6e-7))

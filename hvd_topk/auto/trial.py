@@ -36,10 +36,7 @@ import math
 import statistics
 from typing import List, NamedTuple, Optional
 
-from .plans import plan_name
-
-# The plans a near tie keeps, in order: every entry sent each step (dense_fp16's rounding a step later).
-DENSE = ("dense", "dense_fp16")
+from .plans import DENSE_TRANSPORTS, plan_name
 
 __all__ = ["TRIAL_MARGIN", "Trial", "Verdict", "new_trial", "on_turn", "record_step", "turn_over", "end_turn",
            "counts_round", "end_round", "verdict", "clear_gaps", "quality_gaps", "summary", "to_dict", "from_dict"]
@@ -203,7 +200,7 @@ def quality_gaps(means, scales, active, gap=CLEAR_GAP):
 def _dense_tie(arms, means, active, best, margin):
     """``best``, or the all-dense plan, else the all-dense_fp16 plan, when it is still active and within
     ``margin`` of ``best``."""
-    for transport in DENSE:
+    for transport in DENSE_TRANSPORTS:
         dense = [a for a in active if set(arms[a].values()) == {transport}]
         if dense and statistics.fmean(means[dense[0]]) <= (1 + margin) * statistics.fmean(means[best]):
             return dense[0]
