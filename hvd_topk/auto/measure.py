@@ -14,7 +14,7 @@ from horovod.torch import mpi_ops
 
 from ..core.lowrank import (compressed_rank, finish_power_iteration, kept_energy, m_times_q, matrix_shape, mt_times_p,
                             start_power_iteration, warm_start)
-from ..core.sparsify import k_for, topk_energies, topk_indices
+from ..core.sparsify import k_for, sq_norm64, topk_energies, topk_indices
 from ..transports.collectives import add_rows, agree
 from ..transports.dense import decode_sum, encode_fp16
 
@@ -103,12 +103,12 @@ def sample_quality(acc, key, k, lowrank, weight=None):
     its error, ||w acc||^2 - ||w (acc - C(acc))||^2, which for low rank may be below 0 (its P Q^T adds
     error where Adam's weights are large)."""
     if weight is None:
-        energy = float(torch.dot(acc.double(), acc.double()))
+        energy = sq_norm64(acc)
         topk = topk_energies(acc, [min(k, acc.numel())])[0]
     else:
-        weighted = (weight * acc).double()
-        energy = float(torch.dot(weighted, weighted))
-        topk = float(weighted[topk_indices(acc, min(k, acc.numel()))].square().sum())
+        weighted = weight * acc
+        energy = sq_norm64(weighted)
+        topk = sq_norm64(weighted[topk_indices(acc, min(k, acc.numel()))])
     sizes = lowrank_sizes(lowrank, [key]).get(key)
     if not sizes or not sizes[2]:
         return energy, topk, energy
@@ -118,8 +118,8 @@ def sample_quality(acc, key, k, lowrank, weight=None):
         return energy, topk, kept_energy(acc.view(n, m), q, lowrank.epsilon)
     _, p = start_power_iteration(acc.view(n, m), q, lowrank.epsilon)
     p, q_new = finish_power_iteration(acc.view(n, m), p, lowrank.epsilon)
-    error = (weight.view(n, m) * (acc.view(n, m) - p @ q_new.T)).double().square().sum()
-    return energy, topk, energy - float(error)
+    error = sq_norm64(weight.view(n, m) * (acc.view(n, m) - p @ q_new.T))
+    return energy, topk, energy - error
 
 
 def adam_weights(optimizer, params, key, grad):

@@ -6,7 +6,7 @@ import torch
 
 from .validate import check_int
 
-__all__ = ["k_for", "topk_indices", "ascending", "spread_indices", "scatter_dense", "sq_norm_finite"]
+__all__ = ["k_for", "topk_indices", "ascending", "spread_indices", "scatter_dense", "sq_norm_finite", "sq_norm64"]
 
 
 def k_for(numel, ratio):
@@ -272,3 +272,15 @@ def sq_norm_finite(x):
     if math.isfinite(sq):
         return sq, True
     return sq, bool(torch.isfinite(x).all())
+
+
+def sq_norm64(x):
+    """||x||^2 as a float, summed in float64 without a float64 copy of x (``vector_norm``'s ``dtype``
+    casts as it reads): the quality figures' energies, where a float64 copy and a dot of 2M entries took
+    11-20 ms against 1.4 ms.
+
+    Example:
+        >>> sq_norm64(torch.tensor([3.0, -4.0]))
+        25.0
+    """
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
