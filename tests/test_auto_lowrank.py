@@ -188,6 +188,23 @@ def test_low_rank_is_a_candidate_unless_top_k_only_settings_or_ratio_one(hvd):
     assert tuner.first_step == 4 and not tuner.samples_quality(3) and tuner.samples_quality(4)
 
 
+def test_a_trial_samples_quality_once_a_round_not_once_a_turn(hvd):
+    """A sample costs a Top-K and a power iteration of every tensor: it is taken on the first step of a
+    round (the gradient does not depend on the plan on turn), not on the first of every plan's turn."""
+    tuner = _optimizer()._hvd_topk.tuner
+    tuner.costs = SLOW
+    tuner.start_trial([{"w": "dense"}, {"w": "artopk"}, {"w": "lowrank"}])
+    sampled = []
+    for step in range(2, 2 + 2 * 3 + 4 * 3):      # the first round (turns of 2 steps), then one counted
+        sampled.append(tuner.samples_quality(step))
+        tuner.trial = trials.record_step(tuner.trial, 0.01)
+        if trials.turn_over(tuner.trial, 4):
+            tuner.trial, round_over = trials.end_turn(tuner.trial)
+            if round_over:
+                tuner.trial, _ = trials.end_round(tuner.trial, None, 3, 10)
+    assert [i for i, s in enumerate(sampled) if s] == [0, 6]
+
+
 def test_quality_weight_is_one_unless_the_user_sets_adaptive_weight(hvd):
     assert _optimizer()._hvd_topk.tuner.weight == 1.0
     assert _optimizer(adaptive_weight=0.3)._hvd_topk.tuner.weight == 0.3

@@ -13,7 +13,7 @@ density in use (``topk_energies``); low rank one warm-started power iteration's 
 (``hvd_topk.core.lowrank.kept_energy``). ``hvd_topk.auto`` samples
 them on this rank's gradients (not the accumulators: their residuals are what the plans of the last
 steps left, so a trial would measure its own arms) at the probe's step and at the first step of every
-turn of the trial (a step not timed), and the ranks agree on their sums (``quality_row``/``quality_from_row``).
+round of the trial (a step not timed), and the ranks agree on their sums (``quality_row``/``quality_from_row``).
 
 A plan's G is energy-weighted over its tensors (``plan_gain``), so the tensors that carry the gradient
 count most; per tensor and per plan the choice minimises J = seconds / G^w (``objective``, w the

@@ -23,7 +23,7 @@ a tie within the margin). In a job across equal hosts whose process sets Horovod
 between them, and hierarchical is one more transport to model and to try (``hvd_topk.auto.plans``).
 Where the optimizer offers low rank (``lowrank``), it is one more too, and each tensor's choice weighs a
 quality figure against time: the fraction of its accumulator's energy each compressor sends at once,
-sampled at the probe's step and at the first step of every turn of the trial (``hvd_topk.auto.quality``).
+sampled at the probe's step and at the first step of every round of the trial (``hvd_topk.auto.quality``).
 
 **Re-deciding.** Every ``every`` steps the ranks agree on the window's step and communication times
 and the compression gains; a drift of the communication time from the model at two checks in a row
@@ -33,7 +33,6 @@ than 5% (``hvd_topk.auto.recheck``).
 """
 import math
 
-import torch
 from horovod.torch import mpi_ops
 
 from . import trial as trials
@@ -44,7 +43,7 @@ from .probe import Probe
 from .quality import add_sample
 from .recheck import DEFAULT_WEIGHT, candidate_ratios
 from .trial import TRIAL_MARGIN
-from ..core.sparsify import k_for, topk_energies
+from ..core.sparsify import k_for, sq_norm64, topk_energies
 from ..core.validate import check_int, check_number
 
 __all__ = ["AutoTuner", "tuner_for"]
@@ -155,10 +154,14 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
 
     def samples_quality(self, step):
         """Whether this step's accumulators are sampled for the quality figures (low rank offered): the
-        first probe's step, and the first step of every turn of a trial (not timed)."""
+        first probe's step, and the first step of every round of a trial (not timed). Once a round, not
+        once a turn: the gradient does not depend on the plan whose turn it is, and a sample of the
+        embedding model's 2M-entry table took 80-140 ms of a 40 ms step on a busy host."""
         if self.lowrank is None or not self.auto_transport:
             return False
-        return step >= self.first_step if self.costs is None else self.trial is not None and not self.trial.turn_times
+        if self.costs is None:
+            return step >= self.first_step
+        return self.trial is not None and not self.trial.turn_times and not self.trial.round_means
 
     def wants_gains(self, step):
         """Whether this step's accumulators feed the gain estimate (the step before a check) or the
@@ -176,7 +179,7 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
             self.quality_sums = add_sample(self.quality_sums, key, *sample_quality(g, key, k, self.lowrank, weight))
             return
         energies = topk_energies(acc, [k_for(acc.numel(), c) for c in self.ratios])
-        row = energies + [float(torch.dot(acc.double(), acc.double()))]
+        row = energies + [sq_norm64(acc)]
         self.gain_sums = row if self.gain_sums is None else [a + b for a, b in zip(self.gain_sums, row)]
 
     # -- after each step (collective: every rank calls it at the same step) ------------------------
