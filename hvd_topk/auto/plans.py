@@ -52,8 +52,6 @@ plan's seconds beyond the ``BACKWARD_SHARE`` of it that the backward pass hides)
 cost a compute-bound step little, and its steps are exact.
 Neither lets in a plan whose J would be beyond ``WHOLE_STEP_SPAN`` of the model plan's whole step even
 if it communicated in no time (Top-K's G of 0.01-0.02 in the norm of AdamW's update on the char LM).
-Between plans that send every tensor dense, the communication rule's span is ``WHOLE_STEP_SPAN`` too: dense's
-bytes are twice dense_fp16's through the same allreduce, a ratio the model does not miss by 4x.
 """
 import math
 from typing import NamedTuple, Optional
