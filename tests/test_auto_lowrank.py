@@ -205,6 +205,18 @@ def test_a_trial_samples_quality_once_a_round_not_once_a_turn(hvd):
     assert [i for i, s in enumerate(sampled) if s] == [0, 6]
 
 
+def test_the_seconds_of_sampling_are_not_counted_in_the_step(hvd):
+    """A quality sample (a Top-K and a power iteration of every tensor) is the tuner's own work, not the
+    transports': its seconds leave the step's time before the tuner records it, so the probe's time
+    outside communication (the whole-step rule's f) and the trial's means do not carry it."""
+    tuner = _optimizer()._hvd_topk.tuner
+    tuner.observe_acc(torch.randn(512 * 256), "fc", 1000, torch.randn(512 * 256))
+    assert tuner.sample_s > 0
+    tuner.costs, tuner.sample_s = SLOW, 0.05
+    tuner.end_step(None, 2, step_s=0.08, comm_s=0.01)
+    assert tuner.step_times == [pytest.approx(0.03)] and tuner.comm_times == [0.01] and tuner.sample_s == 0.0
+
+
 def test_quality_weight_is_one_unless_the_user_sets_adaptive_weight(hvd):
     assert _optimizer()._hvd_topk.tuner.weight == 1.0
     assert _optimizer(adaptive_weight=0.3)._hvd_topk.tuner.weight == 0.3

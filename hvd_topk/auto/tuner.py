@@ -32,6 +32,7 @@ the ratio moves to the candidate of least J(c) = T(c) / G(c) ** weight when that
 than 5% (``hvd_topk.auto.recheck``).
 """
 import math
+import time
 
 from horovod.torch import mpi_ops
 
@@ -81,7 +82,50 @@ class _Checkpoints:
                 setattr(self, key, list(value) if isinstance(value, list) else value)
 
 
-class AutoTuner(CollectiveSteps, _Checkpoints):
+class _Samples:
+    """What ``AutoTuner`` samples of the accumulators (the adaptive ratio's gains, the quality figures),
+    and the seconds it spent on it this step: not the transports' time, so ``end_step`` takes them out."""
+
+    sample_s = 0.0                    # this step's seconds in observe_acc
+
+    def samples_quality(self, step):
+        """Whether this step's accumulators are sampled for the quality figures (low rank offered): the
+        first probe's step, and the first step of every round of a trial (not timed). Once a round, not
+        once a turn: the gradient does not depend on the plan whose turn it is, and a sample of the
+        embedding model's 2M-entry table took 80-140 ms of a 40 ms step on a busy host."""
+        if self.lowrank is None or not self.auto_transport:
+            return False
+        if self.costs is None:
+            return step >= self.first_step
+        return self.trial is not None and not self.trial.turn_times and not self.trial.round_means
+
+    def wants_gains(self, step):
+        """Whether this step's accumulators feed the gain estimate (the step before a check) or the
+        quality figures (``samples_quality``)."""
+        return self.ratios is not None and step >= 1 and (step + 1) % self.every == 0 or self.samples_quality(step)
+
+    def observe_acc(self, acc, key=None, k=None, grad=None):
+        """Where low rank is offered, add the gradient ``grad`` of ``key`` (Top-K sends ``k`` entries) to
+        this rank's quality sums; else one accumulator's top-k energies for every candidate ratio (never
+        both: the adaptive ratio leaves low rank out). The quality is the fresh gradient's: an
+        accumulator's residual is what the plans of the last steps left, so a trial would measure its arms.
+        Its seconds add to ``sample_s``."""
+        start = time.perf_counter()
+        self._observe(acc, key, k, grad)
+        self.sample_s += time.perf_counter() - start
+
+    def _observe(self, acc, key, k, grad):
+        if self.lowrank is not None:            # in the norm of the update (Adam's: update_weights)
+            g = grad.reshape(-1)
+            weight = self.update_weights and self.update_weights(key, g)
+            self.quality_sums = add_sample(self.quality_sums, key, *sample_quality(g, key, k, self.lowrank, weight))
+            return
+        energies = topk_energies(acc, [k_for(acc.numel(), c) for c in self.ratios])
+        row = energies + [sq_norm64(acc)]
+        self.gain_sums = row if self.gain_sums is None else [a + b for a, b in zip(self.gain_sums, row)]
+
+
+class AutoTuner(CollectiveSteps, _Checkpoints, _Samples):
     """Per-optimizer state of the automatic decisions (identical on every rank).
 
     Args:
@@ -152,41 +196,14 @@ class AutoTuner(CollectiveSteps, _Checkpoints):
         """The transports a plan chooses from (``hvd_topk.auto.plans.transports_of``)."""
         return transports_of(self.costs, self.lowrank is not None)
 
-    def samples_quality(self, step):
-        """Whether this step's accumulators are sampled for the quality figures (low rank offered): the
-        first probe's step, and the first step of every round of a trial (not timed). Once a round, not
-        once a turn: the gradient does not depend on the plan whose turn it is, and a sample of the
-        embedding model's 2M-entry table took 80-140 ms of a 40 ms step on a busy host."""
-        if self.lowrank is None or not self.auto_transport:
-            return False
-        if self.costs is None:
-            return step >= self.first_step
-        return self.trial is not None and not self.trial.turn_times and not self.trial.round_means
-
-    def wants_gains(self, step):
-        """Whether this step's accumulators feed the gain estimate (the step before a check) or the
-        quality figures (``samples_quality``)."""
-        return self.ratios is not None and step >= 1 and (step + 1) % self.every == 0 or self.samples_quality(step)
-
-    def observe_acc(self, acc, key=None, k=None, grad=None):
-        """Where low rank is offered, add the gradient ``grad`` of ``key`` (Top-K sends ``k`` entries) to
-        this rank's quality sums; else one accumulator's top-k energies for every candidate ratio (never
-        both: the adaptive ratio leaves low rank out). The quality is the fresh gradient's: an
-        accumulator's residual is what the plans of the last steps left, so a trial would measure its arms."""
-        if self.lowrank is not None:            # in the norm of the update (Adam's: update_weights)
-            g = grad.reshape(-1)
-            weight = self.update_weights and self.update_weights(key, g)
-            self.quality_sums = add_sample(self.quality_sums, key, *sample_quality(g, key, k, self.lowrank, weight))
-            return
-        energies = topk_energies(acc, [k_for(acc.numel(), c) for c in self.ratios])
-        row = energies + [sq_norm64(acc)]
-        self.gain_sums = row if self.gain_sums is None else [a + b for a, b in zip(self.gain_sums, row)]
-
     # -- after each step (collective: every rank calls it at the same step) ------------------------
 
     def end_step(self, state, step, step_s, comm_s):
-        """Record this rank's times of ``step``; decide at the scheduled steps. Returns a ratio change
-        (effective_step, ratio) or None."""
+        """Record this rank's times of ``step``, less its seconds of sampling (``sample_s``: at step 1, a
+        quality sample of the embedding model took 3-4x the rest of the step outside communication, and
+        the whole-step rule would have tried dense plans there); decide at the scheduled steps. Returns
+        a ratio change (effective_step, ratio) or None."""
+        step_s, self.sample_s = max(comm_s, step_s - self.sample_s), 0.0
         if step >= 1:
             self.step_times.append(step_s)
             self.comm_times.append(comm_s)
