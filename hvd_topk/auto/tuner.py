@@ -200,7 +200,7 @@ class AutoTuner(CollectiveSteps, _Checkpoints, _Samples):
 
     def end_step(self, state, step, step_s, comm_s):
         """Record this rank's times of ``step``, less its seconds of sampling (``sample_s``: at step 1, a
-        quality sample of the embedding model took 3-4x the rest of the step outside communication, and
+        quality sample of the embedding model took 4-6x the rest of the step outside communication, and
         the whole-step rule would have tried dense plans there); decide at the scheduled steps. Returns
         a ratio change (effective_step, ratio) or None."""
         step_s, self.sample_s = max(comm_s, step_s - self.sample_s), 0.0
