@@ -278,6 +278,38 @@ def test_trial_does_not_count_the_first_round(hvd):
     assert tuner.trial is None and tuner.plan == {"w": "artopk"}
 
 
+@pytest.mark.parametrize("plan, pin, trial, released, removed", [
+    ({"w": "artopk"}, {}, None, True, True),                        # nothing hierarchical: let go
+    ({"w": "artopk"}, {}, None, False, False),                      # release refused (registered sets)
+    ({"w": "hierarchical"}, {}, None, True, False),                 # in effect
+    ({"w": "artopk"}, {"b": "hierarchical"}, None, True, False),    # pinned
+    ({"w": "artopk"}, {}, [{"w": "artopk"}, {"w": "hierarchical"}], True, False),    # on trial
+])
+def test_auto_lets_the_host_sets_go_once_no_plan_holds_hierarchical(hvd, monkeypatch, plan, pin, trial, released,
+                                                                      removed):
+    """Across hosts the tuner asks ``host_sets.release`` for its sets at the end of a step where neither
+    the plan in effect, nor a pin, nor a plan on trial holds hierarchical; where they are removed it
+    holds none (later probes leave hierarchical out) and this step's history entry says so; it asks
+    again at the next step where they were not."""
+    calls = []
+    monkeypatch.setattr("hvd_topk.auto.decide.release", lambda sets: calls.append(sets) or released)
+    tuner = AutoTuner(True, None, every=50)
+    tuner.costs, tuner.hosts, tuner.plan = SLOW, "the sets", dict(plan)
+    if trial is not None:
+        tuner.start_trial(trial)
+        tuner.plan = dict(plan)
+    state = type("PinnedState", (State,), {"pin": pin})
+    tuner.history.append((7, 0.01, {}, "trial, 4 counted rounds: ...; kept all artopk"))
+    for step in (7, 8):
+        tuner.end_step(state, step, 0.1, 0.0)
+    asked = trial is None and "hierarchical" not in plan.values() and not pin
+    assert calls == (["the sets"] if removed else ["the sets"] * 2 if asked else [])
+    assert tuner.hosts == (None if removed else "the sets")
+    reasons = [entry[3] for entry in tuner.history]
+    assert reasons == (["trial, 4 counted rounds: ...; kept all artopk; the hosts' process sets removed: no plan "
+                        "holds hierarchical"] if removed else ["trial, 4 counted rounds: ...; kept all artopk"])
+
+
 def test_trial_settings_are_checked():
     for kw in ({"trial_steps": 1}, {"trial_rounds": 2}, {"trial_rounds": 5, "trial_max_rounds": 4}):
         with pytest.raises(ValueError, match=r"trial_(steps|rounds|max_rounds) must be an integer >= "):

@@ -453,8 +453,9 @@ def test_hierarchical_process_sets_error_dynamic_and_registered(hosts, tmp_path,
     """2 hosts x 2 ranks, one hvd.init per launch (tests/workers/unregistered_host_sets.py says why):
     with hvd.init() and no process sets every rank raises, naming the sets and both ways to get them,
     and communication='auto' leaves hierarchical out; with hvd.init(process_sets='dynamic') the sets are
-    added (a sum over each is right); the 2x2 job trained on sets registered by
-    hvd.init(process_sets=hvd_topk.host_process_sets())."""
+    added (a sum over each is right), released (Horovod then knows the global set alone), added again by
+    auto and removed at its first decision where no plan holds hierarchical, and kept where two callers
+    resolved them; the 2x2 job trained on sets registered by hvd.init(process_sets=hvd_topk.host_process_sets())."""
     checks = {mode: _hierarchical_job(hosts, tmp_path / mode, hosts.host_list(SLOTS), NP, ["--mode", mode],
                                       worker="unregistered_host_sets.py") for mode in ("none", "dynamic")}
     for r, (plain, dynamic) in enumerate(zip(checks["none"], checks["dynamic"])):
@@ -464,6 +465,12 @@ def test_hierarchical_process_sets_error_dynamic_and_registered(hosts, tmp_path,
         assert "HOROVOD_DYNAMIC_PROCESS_SETS=1" in error and "hvd_topk.host_process_sets()" in error, error
         host, cross = ((0, 1), (2, 3))[r // SLOTS], (r % SLOTS, r % SLOTS + SLOTS)
         assert dynamic["sums"] == [float(sum(host)), float(sum(cross))], (r, dynamic["sums"])
+        every = {0: [0, 1, 2, 3]}
+        sets = dynamic["sets"]
+        assert dynamic["released"] is True and sets["released"] == every, sets
+        assert len(sets["auto built"]) == 5 and sets["auto decided"] == every, sets
+        assert dynamic["auto_history"][0].endswith("; the hosts' process sets removed: no plan holds hierarchical")
+        assert dynamic["released_held_twice"] is False and len(sets["held twice"]) == 5, sets
     results, _ = hierarchical_2x2
     assert [res["sets"]["opt"][:2] for res in results] == [([0, 1], [0, 2]), ([0, 1], [1, 3]),
                                                            ([2, 3], [0, 2]), ([2, 3], [1, 3])]

@@ -6,12 +6,14 @@ import logging
 
 from . import recheck, trial as trials
 from .measure import lowrank_sizes, time_compression
-from .plans import Costs, HostLink, fitted_link, plan_counts, plan_seconds, plan_transports, trial_plans, uniform_plan
+from .plans import (HIERARCHICAL, Costs, HostLink, fitted_link, plan_counts, plan_seconds, plan_transports, trial_plans,
+                    uniform_plan)
 from .probe import Probe
 from .quality import plan_gain, quality_from_row, quality_row
 from .recheck import choose_ratio
+from ..transports.host_sets import release
 
-__all__ = ["CollectiveSteps", "PROBE_REPEATS", "probe_hosts"]
+__all__ = ["CollectiveSteps", "HostSetsRelease", "PROBE_REPEATS", "probe_hosts"]
 
 log = logging.getLogger("hvd_topk")
 
@@ -151,3 +153,24 @@ class CollectiveSteps:
         if self.world.rank() == 0:
             log.info("hvd_topk auto at step %d: ratio %g, transports %s (%s); alpha %.3g s, beta %.3g s/B",
                      step, ratio, counts, reason, self.costs.alpha, self.costs.beta)
+
+
+class HostSetsRelease:
+    """``AutoTuner``'s letting go of the hosts' process sets, a collective step of its own (``end_step``
+    calls it on every rank at every step while it holds them)."""
+
+    def _let_the_host_sets_go(self, state, step):
+        """Across hosts, once no plan in effect, on trial or pinned holds hierarchical: remove the hosts'
+        process sets where ``host_sets.release`` can (it added them; nothing else holds them): with them,
+        Horovod's own allreduce of a model's tensors took twice as long across emulated hosts
+        (``hvd_topk.transports.host_sets``). Hierarchical is then no candidate of later probes. The
+        history's entry of this step says so."""
+        plans = [self.plan, getattr(state, "pin", None) or {}] + (self.trial.arms if self.trial is not None else [])
+        if any(HIERARCHICAL in plan.values() for plan in plans) or not release(self.hosts):
+            return
+        self.hosts = None
+        note = "the hosts' process sets removed: no plan holds hierarchical"
+        if self.history and self.history[-1][0] == step:      # the decision of this step: one entry
+            self.history[-1] = self.history[-1][:3] + (f"{self.history[-1][3]}; {note}",)
+        else:
+            self._record(step, state.ratio, note)

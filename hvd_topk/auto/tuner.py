@@ -37,7 +37,7 @@ import time
 from horovod.torch import mpi_ops
 
 from . import trial as trials
-from .decide import PROBE_REPEATS, CollectiveSteps
+from .decide import PROBE_REPEATS, CollectiveSteps, HostSetsRelease
 from .measure import HorovodWorld, sample_quality
 from .plans import costs_from_data, costs_to_data, link_figures, plan_counts, transports_of
 from .probe import Probe
@@ -125,7 +125,7 @@ class _Samples:
         self.gain_sums = row if self.gain_sums is None else [a + b for a, b in zip(self.gain_sums, row)]
 
 
-class AutoTuner(CollectiveSteps, _Checkpoints, _Samples):
+class AutoTuner(CollectiveSteps, HostSetsRelease, _Checkpoints, _Samples):
     """Per-optimizer state of the automatic decisions (identical on every rank).
 
     Args:
@@ -210,13 +210,14 @@ class AutoTuner(CollectiveSteps, _Checkpoints, _Samples):
             if self.trial is not None:
                 self.trial = trials.record_step(self.trial, step_s)
         if self.costs is None:        # step 0 has no start to time it from: the probe (None) waits for step 1
-            return None if step == 0 else self._probe(state, step, reason="start", fixed_s=step_s - comm_s)
-        if self.trial is not None:
-            self._trial_step(state, step)
-            return None
-        if (step + 1) % self.every:
-            return None
-        return self._check(state, step)
+            change = None if step == 0 else self._probe(state, step, reason="start", fixed_s=step_s - comm_s)
+        elif self.trial is not None:
+            change = self._trial_step(state, step)
+        else:
+            change = None if (step + 1) % self.every else self._check(state, step)
+        if self.hosts is not None and self.costs is not None:     # every step: a resumed tuner lets go too
+            self._let_the_host_sets_go(state, step)
+        return change
 
     def start_trial(self, arms):
         """Measure ``arms`` (plans) in turns from the next step on (``hvd_topk.auto.trial``)."""
