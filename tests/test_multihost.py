@@ -455,7 +455,8 @@ def test_hierarchical_process_sets_error_dynamic_and_registered(hosts, tmp_path,
     and communication='auto' leaves hierarchical out; with hvd.init(process_sets='dynamic') the sets are
     added (a sum over each is right), released (Horovod then knows the global set alone), added again by
     auto and removed at its first decision where no plan holds hierarchical, and kept where two callers
-    resolved them; the 2x2 job trained on sets registered by hvd.init(process_sets=hvd_topk.host_process_sets())."""
+    resolved them; the 2x2 job trained on sets registered by
+    hvd.init(process_sets=hvd_topk.host_process_sets())."""
     checks = {mode: _hierarchical_job(hosts, tmp_path / mode, hosts.host_list(SLOTS), NP, ["--mode", mode],
                                       worker="unregistered_host_sets.py") for mode in ("none", "dynamic")}
     for r, (plain, dynamic) in enumerate(zip(checks["none"], checks["dynamic"])):

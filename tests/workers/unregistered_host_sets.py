@@ -14,7 +14,8 @@ read a slower rank's keys of the previous init (a refused connect), or have its 
 When tests/workers/hierarchical.py ran both checks before its training, re-initialising in one process,
 it failed so in 1 of 6 runs beside a busy core (each rank saw only "Horovod has been shut down").
 
-Every rank writes ``<out>/rank<r>.pt``: {"mode", "error", "auto_candidates", "sums", "released", "sets"}.
+Every rank writes ``<out>/rank<r>.pt``: {"mode", "error", "auto_candidates", "sums", "released", "sets"}
+and, in ``--mode dynamic``, "auto_history" and "released_held_twice".
 """
 import argparse
 import os
@@ -26,7 +27,6 @@ from horovod.torch import mpi_ops
 
 import hvd_topk
 from hvd_topk.transports import host_sets
-
 
 
 def known_sets():
