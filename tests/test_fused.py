@@ -94,6 +94,29 @@ def test_fused_buckets_give_the_per_tensor_parameters_on_every_rank(results, np,
 
 @pytest.mark.jobs(*JOBS.values())
 @pytest.mark.parametrize("np", (2, 3))
+def test_dense_fp16_sends_one_exchange_per_bucket_with_the_per_tensor_parameters(results, np):
+    """Every tensor pinned to 'dense_fp16': the same parameters on every rank, and bit for bit whether each
+    tensor is summed alone, in several buckets or in one (each element is added in float32 in rank
+    order, wherever it lies in a bucket); one exchange per bucket (an allgather on 2 ranks, an alltoall
+    and an allgather on 3), so six per tensor alone, one in all in one bucket; and 2 bytes an entry."""
+    ranks = results(JOBS[np])
+    runs = {label: ("opt", "dense_fp16", "fp16", label) for label in ("alone", "buckets", "one")}
+    for run in runs.values():
+        assert_identical_across_ranks([res[run] for res in ranks])
+    alone = ranks[0][runs["alone"]]
+    for label in ("buckets", "one"):
+        for name, value in alone["params"].items():
+            assert torch.equal(ranks[0][runs[label]]["params"][name], value), (label, name)
+    per_exchange = 1 if np == 2 else 2
+    assert alone["stats"]["collectives_exchange"] == 6 * per_exchange, alone["stats"]
+    assert ranks[0][runs["one"]]["stats"]["collectives_exchange"] == per_exchange, ranks[0][runs["one"]]["stats"]
+    assert ranks[0][runs["buckets"]]["stats"]["collectives_exchange"] > per_exchange
+    numel = sum(value.numel() for value in alone["params"].values())
+    assert alone["stats"]["bytes_sent"] == 2 * numel, alone["stats"]        # 2 bytes an entry
+
+
+@pytest.mark.jobs(*JOBS.values())
+@pytest.mark.parametrize("np", (2, 3))
 @pytest.mark.parametrize("door, communication", RUNS)
 def test_one_collective_per_bucket_and_phase_and_the_time_split(results, np, door, communication):
     """Alone, one collective per tensor (six weights) and phase; in one bucket, one. The step's seconds

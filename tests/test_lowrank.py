@@ -155,7 +155,7 @@ def test_one_allreduce_per_phase_and_dtype(results, np):
 
 
 def exchanged(label, np):
-    """The collectives that sum a float16 buffer on ``np`` ranks (``lowrank_wire._sum_by_exchange``): one
+    """The collectives that sum a float16 buffer on ``np`` ranks (``lowrank_wire.sum_by_exchange``): one
     allgather on 2 ranks; on more, the shards' alltoall, then their sums' allgather."""
     return [label] if np == 2 else [f"{label}.scatter", f"{label}.gather"]
 

@@ -17,8 +17,8 @@ selection, π the seconds per element of one pass over the accumulator (the lead
 each rank selects 1/N of the tensors) and φ (``Costs.fp16_s``) the seconds per element of dense_fp16's
 work around its exchange, timed with its own functions: its allocations cost it 15-100 π.
 split_reduce and allgather are priced at ``ENTRY_BYTES`` per kept entry (bf16 values and 16-bit index
-offsets, the transports' default); their latency per tensor, though
-they send a bucket of tensors per collective, so the model overprices them where buckets hold many.
+offsets, the transports' default); they (and dense_fp16) pay their latency per tensor, though they send
+a bucket of tensors per collective, so the model overprices them where buckets hold many.
 split_reduce's gather is priced at the sums its owners keep: ``budget_at(costs.budget, N)`` times k
 (``Costs.budget``, TopKSettings' budget; over H ranks across the hosts).
 

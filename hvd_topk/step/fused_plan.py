@@ -1,5 +1,5 @@
-"""What both front doors do with the transports that send their keys in buckets (split_reduce, allgather:
-``hvd_topk.transports.fused``): give them the buckets, tell them a step's keys, poll them.
+"""What both front doors do with the transports that send their keys in buckets (split_reduce, allgather,
+dense_fp16: ``hvd_topk.transports.fused``): give them the buckets, tell them a step's keys, poll them.
 
 The plan is ``hvd_topk.core.buckets.plan_buckets`` over the compressed keys in registration order, so
 every rank has the same buckets: the optimizer plans when it is made, ``TopKEF`` after its first step

@@ -112,7 +112,7 @@ def _topk_stack(settings, *, tag, key_index, process_set, communication, reducti
     if reduction is not None:
         transports["dense"] = Dense(collectives, reduction, value_dtype, name="values")
         transports["plain"] = Dense(collectives, reduction, None, name="dense")
-        transports["dense_fp16"] = DenseFP16(collectives, reduction)
+        transports["dense_fp16"] = DenseFP16(collectives, reduction, f"{tag}.values16", stats)
     hosts = None
     if communication in ("hierarchical", "auto"):     # collective: finds the hosts' process sets
         hosts = resolve(f"{tag}.hier.hosts", optional=communication == "auto")

@@ -1,6 +1,6 @@
 """A fused transport's buckets: which keys travel together, when a bucket leaves, and its phases in flight.
 
-``SparseAllgather`` and ``SplitReduce`` hand every started key to their ``Buckets``. A bucket (a list of
+``SparseAllgather``, ``SplitReduce`` and ``DenseFP16`` hand every started key to their ``Buckets``. A bucket (a list of
 keys of the plan, ``hvd_topk.core.buckets.plan_buckets``, identical on every rank) leaves as soon as
 every key expected of it this step has been started: during the backward pass, from Horovod's hooks,
 in both front doors. Its phases are a generator (the transport's ``phases(name, items)``) that packs the
@@ -31,7 +31,19 @@ from horovod.torch import mpi_ops
 
 from .collectives import nap, wait
 
-__all__ = ["Buckets"]
+__all__ = ["Buckets", "as_phase"]
+
+
+def as_phase(phase, steps):
+    """A generator of collectives (``collectives.Waits``: it yields handles) as one phase of a bucket's
+    phases: it yields ``(phase, handle)`` for each, and returns what ``steps`` returns."""
+    output = None
+    while True:
+        try:
+            handle = steps.send(output)
+        except StopIteration as end:
+            return end.value
+        output = yield phase, handle
 
 
 def _order(bucket):

@@ -41,7 +41,7 @@ from .collectives import add_rows, flag_raised, reduce_scatter_async, reduce_sca
 from ..core.wire import LOWRANK_VALUE_BYTES
 
 __all__ = ["VALUES", "scale_for", "encode", "decode", "needs_resend", "largest", "sum_phase", "sum_end_to_end",
-           "sum_across_hosts"]
+           "sum_across_hosts", "sum_by_exchange"]
 
 VALUES = tuple(LOWRANK_VALUE_BYTES)         # PowerSGDSettings.values: 'fp16', 'fp32'
 _TARGET_EXPONENT = 10                       # the last step's largest |sum| is scaled to 2**10
@@ -113,7 +113,7 @@ def sum_phase(entries, name, process_set, hosts=None):
 def sum_end_to_end(tensors, name, process_set):
     """(the ranks' sums of ``tensors``, [(collective name, numel)]): one in-place allreduce per dtype
     of the tensors laid end to end in their order, all started before any is waited for; float16 by
-    exchange (``_sum_by_exchange``), while the others' allreduces are in flight. A generator of
+    exchange (``sum_by_exchange``), while the others' allreduces are in flight. A generator of
     collectives (module docstring)."""
     handles, launches, exchanged = [], [], []
     for indices, flat, label in _flat_by_dtype(tensors, name):
@@ -124,13 +124,13 @@ def sum_end_to_end(tensors, name, process_set):
         handles.append((indices, mpi_ops.allreduce_async_(flat, op=mpi_ops.Sum, name=label, process_set=process_set)))
     buffers = []
     for indices, flat, label in exchanged:
-        buffers.append((indices, (yield from _sum_by_exchange(flat, process_set, label, launches))))
+        buffers.append((indices, (yield from sum_by_exchange(flat, process_set, label, launches))))
     for indices, handle in handles:
         buffers.append((indices, (yield handle)))
     return _split_sums(tensors, buffers), launches
 
 
-def _sum_by_exchange(flat, process_set, label, launches):
+def sum_by_exchange(flat, process_set, label, launches):
     """The ranks' sum of the float16 ``flat``, in float32, the same bits on every rank, with the bytes of
     a ring allreduce: on 2 ranks one allgather, each adding [rank 0's, rank 1's]; on more, each shard
     summed by its owner (``reduce_scatter_async``) and allgathered in float16 (a shard that overflows
@@ -180,7 +180,7 @@ def sum_across_hosts(tensors, name, hosts):
     for indices, flat, label, started in scattered:
         host_sum = reduce_scatter_sum(started, (yield started.handle))
         if flat.dtype == torch.float16:
-            crossed.append((indices, flat, label, (yield from _sum_by_exchange(host_sum.to(torch.float16), hosts.cross,
+            crossed.append((indices, flat, label, (yield from sum_by_exchange(host_sum.to(torch.float16), hosts.cross,
                                                                                f"{label}.cross", launches))))
             continue
         launches.append((f"{label}.cross", host_sum.numel()))

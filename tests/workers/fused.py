@@ -7,7 +7,8 @@ layer first... reversed) and with a layer that rank 0 never uses (Horovod submit
 split_reduce and allgather, runs with exact values ('fp32') three times: every tensor alone
 (``bucket_cap_mb`` of one element), in several buckets, and in one bucket for the whole step; then once
 with the default 16-bit values, and once with ``selection='global'`` (exact values: one top-k over the
-step's tensors, both doors alike).
+step's tensors, both doors alike). Then the optimizer with every tensor pinned to 'dense_fp16', at the
+three bucket caps.
 Then a model with an embedding table, with ``selection='global'`` through both doors (``rows``): the
 table's gradient is row-sparse, so it is selected alone beside the pooled linear layers; each run goes
 ``--steps`` steps straight, and half of them, a checkpoint (state dicts) and the rest in fresh objects.
@@ -53,7 +54,7 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def train(door, communication, values, cap, selection="layerwise"):
+def train(door, communication, values, cap, selection="layerwise", pin=None):
     torch.manual_seed(1234)
     model = Net()
     # the optimizer door selects as TopKEF's settings say, too
@@ -61,7 +62,9 @@ def train(door, communication, values, cap, selection="layerwise"):
                                   communication=communication, values=values, bucket_cap_mb=cap, selection=selection)
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if door == "opt":
-        opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
+        settings = None if pin is None else hvd_topk.OptimizerSettings(pin={n: pin for n, _ in model.named_parameters()})
+        opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
+                                            settings=settings)
     else:
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -158,4 +161,6 @@ for door in ("opt", "stock"):
             result[(door, communication, "fp32", label)] = train(door, communication, "fp32", cap)
         result[(door, communication, "bf16", "buckets")] = train(door, communication, "bf16", CAPS["buckets"])
         result[(door, communication, "fp32", "global")] = train(door, communication, "fp32", CAPS["buckets"], "global")
+for label, cap in CAPS.items():              # every tensor pinned to dense in fp16: its own buckets
+    result[("opt", "dense_fp16", "fp16", label)] = train("opt", "split_reduce", "fp32", cap, pin="dense_fp16")
 torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))
