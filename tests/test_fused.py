@@ -10,7 +10,10 @@ from conftest import assert_identical_across_ranks, job
 from hvd_topk.core.buckets import cap_numel, flag_of, frame, offsets, plan_buckets, read_frame, signature, wire_kind
 from hvd_topk.core.codec import pack, unpack
 from hvd_topk.core.sparsify import k_for
+from hvd_topk.step.fused_plan import FusedPlan
 from hvd_topk.step.stats import StepStats, hidden_share
+from hvd_topk.transports.dense import DenseFP16
+from hvd_topk.transports.fused import Buckets
 
 # 3 ranks share 2 cores here, where each collective costs several times its 2-rank time (20 runs of 8
 # steps: 22 s of the fast loop); 4 steps still carry residuals through 3 steps and every phase.
@@ -157,14 +160,39 @@ def test_both_doors_give_the_same_parameters_layerwise_and_global(results, np, c
 
 
 def test_buckets_follow_reverse_registration_order_within_the_cap():
+    """The keys reversed, cut at the cap; the first bucket at its own cap where one is given (a
+    ``first_bucket_mb`` transport's)."""
     numels = {"a": 10, "b": 20, "c": 5, "d": 40}
     assert plan_buckets("abcd", numels, cap=30) == [["d"], ["c", "b"], ["a"]]
     assert plan_buckets("abcd", numels, cap=0) == [["d", "c", "b", "a"]]
     assert plan_buckets("abcd", numels, cap=1) == [["d"], ["c"], ["b"], ["a"]]
     assert plan_buckets([], numels, cap=5) == []
+    # DDP's small first bucket (dense_fp16's): the last layers leave early, the rest within the cap
+    assert plan_buckets("abcd", numels, cap=30, first_cap=10) == [["d"], ["c", "b"], ["a"]]
+    assert plan_buckets("dcba", numels, cap=0, first_cap=10) == [["a"], ["b", "c", "d"]]
+    assert plan_buckets("abcd", {"a": 1, "b": 1, "c": 1, "d": 1}, cap=3, first_cap=1) == [["d"], ["c", "b", "a"]]
     assert cap_numel(1e-9) == 1 and cap_numel(0.0) == 0 and cap_numel(1.0) == 2 ** 18
     with pytest.raises(ValueError, match="cap must be an integer >= 0"):
         plan_buckets("ab", numels, cap=-1)
+
+
+def test_dense_fp16_plans_a_first_bucket_of_1_mib_where_the_others_plan_by_the_cap():
+    """``FusedPlan`` gives a transport with ``first_bucket_mb`` (``DenseFP16``: its buckets carry every
+    entry) a first bucket of that much float32 gradient, as DDP does; the sparse ones plan by the cap alone."""
+    class Fake:
+        def __init__(self, first_mb=None):
+            self.buckets = Buckets("test", None)
+            if first_mb is not None:
+                self.first_bucket_mb = first_mb
+    sparse, dense16 = Fake(), Fake(DenseFP16.first_bucket_mb)
+    mib = 2 ** 18                                    # float32 elements in 1 MiB
+    numels = {"a": mib, "b": mib // 2, "c": mib // 2, "d": mib // 4}
+    plan = FusedPlan(lambda: [sparse, dense16])
+    plan.plan(list("abcd"), numels, 25.0)
+    assert sparse.buckets.members == [["d", "c", "b", "a"]]
+    assert dense16.buckets.members == [["d", "c"], ["b", "a"]]
+    plan.plan(list("abcd"), numels, 0.0)             # one bucket asked for: one bucket for both
+    assert sparse.buckets.members == dense16.buckets.members == [["d", "c", "b", "a"]]
 
 
 def test_the_wire_kind_keeps_float64_and_16_bit_accumulators_whole():

@@ -28,14 +28,16 @@ __all__ = ["plan_buckets", "cap_numel", "wire_kind", "wire_dtype", "signature", 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def plan_buckets(keys, numels, cap):
+def plan_buckets(keys, numels, cap, first_cap=None):
     """The buckets of ``keys`` (given in registration order): reversed, cut where the next key would
-    take a bucket's elements past ``cap``.
+    take a bucket's elements past ``cap`` (the first bucket's past ``first_cap``, where given).
 
     Args:
         keys: the keys in registration order (identical on every rank).
         numels: key -> number of elements of its tensor.
         cap: most elements per bucket, int >= 0 (a larger tensor is a bucket alone); 0: one bucket.
+        first_cap: most elements of the first bucket (the last layers', ready first), int >= 0, as DDP's
+            first bucket of 1 MiB; None: ``cap``.
 
     Returns:
         list of lists of keys, every key in exactly one.
@@ -43,12 +45,16 @@ def plan_buckets(keys, numels, cap):
     Example:
         >>> plan_buckets(["a", "b", "c"], {"a": 5, "b": 3, "c": 4}, cap=8)
         [['c', 'b'], ['a']]
+        >>> plan_buckets(["a", "b", "c"], {"a": 5, "b": 3, "c": 4}, cap=0, first_cap=4)
+        [['c'], ['b', 'a']]
     """
     cap = check_int("cap", cap)
+    first_cap = cap if first_cap is None else check_int("first_cap", first_cap)
     buckets, size = [], 0
     for key in reversed(list(keys)):
         n = int(numels[key])
-        if not buckets or (cap and size + n > cap):
+        limit = first_cap if len(buckets) == 1 else cap
+        if not buckets or (limit and size + n > limit):
             buckets.append([])
             size = 0
         buckets[-1].append(key)

@@ -28,10 +28,12 @@ class FusedPlan:
 
     def plan(self, keys, numels, cap_mb):
         """Buckets of at most ``cap_mb`` MB of float32 gradient over ``keys`` (registration order) that
-        have a size in ``numels``."""
-        plan = plan_buckets([key for key in keys if key in numels], numels, cap_numel(cap_mb))
+        have a size in ``numels``; the first of at most a transport's ``first_bucket_mb``, where it has one."""
+        keys = [key for key in keys if key in numels]
         for transport in self.transports():
-            transport.buckets.set_plan(plan)
+            first_mb = getattr(transport, "first_bucket_mb", None)
+            first = None if first_mb is None or not cap_mb else cap_numel(min(first_mb, cap_mb))
+            transport.buckets.set_plan(plan_buckets(keys, numels, cap_numel(cap_mb), first))
 
     def expect(self, routes):
         """``routes``: key -> the transport it goes to this step."""

@@ -74,6 +74,10 @@ class DenseFP16:
         stats: ``StepStats`` that records the phases, or None.
     """
 
+    # every entry travels: a bucket is long on the wire, so the first (the last layers', ready first)
+    # leaves early in the backward pass, as DDP's first bucket of 1 MiB does (module docstring)
+    first_bucket_mb = 1.0
+
     def __init__(self, collectives, reduction, name="hvd_topk.values16", stats=None):
         self.collectives, self.reduction = collectives, reduction
         self.buckets = Buckets(name, self._phases, stats)

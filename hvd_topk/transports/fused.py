@@ -16,7 +16,9 @@ Why no order of events can hang:
    flight is polled (``mpi_ops.poll``) and its next phase started only if its output is there.
 3. Every ``finish`` sends the buckets still filling as they are (every rank has started every key by
    the first: Horovod submits every gradient of a step before it waits for any); one whose outcome is
-   not yet there completes the buckets in flight in sorted order, blocking. A rank blocks on bucket b's
+   not yet there completes the buckets in flight in sorted order, blocking, and before each blocking
+   wait starts the next phase of every bucket whose collective is done (as 2.), so that the buckets'
+   phases overlap instead of running one bucket after the other. A rank blocks on bucket b's
    phase j only once it has started every phase of the buckets before b; every other rank starts b's
    phase j before it blocks on anything after b. By induction each blocking wait is on a collective
    every rank starts.
@@ -107,6 +109,9 @@ class Buckets:
                 before_wait()
             for bucket in sorted(self.flights, key=_order):
                 while bucket in self.flights:
+                    self.advance()          # the later buckets' next phases, before blocking (rule 3 holds)
+                    if bucket not in self.flights:
+                        break
                     phase, handle = self.flights[bucket][1:3]
                     t0 = time.perf_counter()
                     output = wait(handle)
