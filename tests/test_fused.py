@@ -120,6 +120,22 @@ def test_dense_fp16_sends_one_exchange_per_bucket_with_the_per_tensor_parameters
 
 @pytest.mark.jobs(*JOBS.values())
 @pytest.mark.parametrize("np", (2, 3))
+@pytest.mark.parametrize("other", ("dense_fp16", "lowrank"))
+def test_transports_of_several_phases_settle_in_one_order_on_every_rank(results, np, other):
+    """Tensors pinned in turn to ``other`` and 'split_reduce', in buckets: on 3 ranks each has several
+    phases, and the ranks finish the keys in other orders (odd ranks' gradients come reversed, one layer
+    unused on rank 0); the job ends (no hang: ``FusedPlan.settle``; without it, 3 ranks hung) with the
+    same parameters on every rank, both transports having sent."""
+    ranks = results(JOBS[np])
+    run = ("opt", "mixed", other, "buckets")
+    assert_identical_across_ranks([res[run] for res in ranks])
+    stats = ranks[0][run]["stats"]
+    assert stats["collectives_gather"] >= 1 and (np == 2 or stats["collectives_split"] >= 1), stats
+    assert stats["collectives_exchange"] >= 1 if other == "dense_fp16" else stats["lowrank_density"] > 0, stats
+
+
+@pytest.mark.jobs(*JOBS.values())
+@pytest.mark.parametrize("np", (2, 3))
 @pytest.mark.parametrize("door, communication", RUNS)
 def test_one_collective_per_bucket_and_phase_and_the_time_split(results, np, door, communication):
     """Alone, one collective per tensor (six weights) and phase; in one bucket, one. The step's seconds

@@ -1,9 +1,9 @@
 """A fused transport's buckets: which keys travel together, when a bucket leaves, and its phases in flight.
 
-``SparseAllgather``, ``SplitReduce`` and ``DenseFP16`` hand every started key to their ``Buckets``. A bucket (a list of
-keys of the plan, ``hvd_topk.core.buckets.plan_buckets``, identical on every rank) leaves as soon as
-every key expected of it this step has been started: during the backward pass, from Horovod's hooks,
-in both front doors. Its phases are a generator (the transport's ``phases(name, items)``) that packs the
+``SparseAllgather``, ``SplitReduce`` and ``DenseFP16`` hand every started key to their ``Buckets``. A
+bucket (a list of keys of the plan, ``hvd_topk.core.buckets.plan_buckets``, identical on every rank)
+leaves as soon as every key expected of it this step has been started: during the backward pass, from
+Horovod's hooks, in both front doors. Its phases are a generator (the transport's ``phases(name, items)``) that packs the
 bucket into one buffer, yields ``(phase, handle)`` for each collective and receives its output, and
 returns ``{key: Outcome}``; so each phase is one collective per bucket, whatever the number of keys.
 
@@ -16,12 +16,14 @@ Why no order of events can hang:
    flight is polled (``mpi_ops.poll``) and its next phase started only if its output is there.
 3. Every ``finish`` sends the buckets still filling as they are (every rank has started every key by
    the first: Horovod submits every gradient of a step before it waits for any); one whose outcome is
-   not yet there completes the buckets in flight in sorted order, blocking, and before each blocking
-   wait starts the next phase of every bucket whose collective is done (as 2.), so that the buckets'
-   phases overlap instead of running one bucket after the other. A rank blocks on bucket b's
-   phase j only once it has started every phase of the buckets before b; every other rank starts b's
-   phase j before it blocks on anything after b. By induction each blocking wait is on a collective
-   every rank starts.
+   not yet there settles every fused transport of its front door (``settle_all``, which
+   ``hvd_topk.step.fused_plan`` sets: the transports in their names' order, the same on every rank,
+   whatever order Horovod finishes the keys in on each), each completing its buckets in sorted order,
+   blocking, and before each blocking wait starting the next phase of every bucket whose collective is
+   done (as 2.), so that the buckets' phases overlap instead of running one bucket after the other. A
+   rank blocks on bucket b's phase j only once it has started every phase of the buckets before b (of
+   its transport and of those settled before it); every other rank starts b's phase j before it blocks
+   on anything after b. By induction each blocking wait is on a collective every rank starts.
 
 Stats (``stats``, optional): collectives started and seconds blocked per phase, and each bucket's time
 in flight (from its first collective to its outcome), from which ``StepStats`` reports the share of the
@@ -72,6 +74,7 @@ class Buckets:
         self.left = set()             # bucket ids sent this step
         self.flights = {}             # bucket id -> [generator, phase, handle, first collective's start]
         self.outcomes = {}            # key -> Outcome, not yet handed out
+        self.settle_all = None        # settles every fused transport of the door in one order (rule 3)
 
     def set_plan(self, buckets):
         """The plan: lists of keys, identical on every rank (``plan_buckets``); replaces the old one."""
@@ -107,21 +110,26 @@ class Buckets:
         if key not in self.outcomes:
             if before_wait is not None:
                 before_wait()
-            for bucket in sorted(self.flights, key=_order):
-                while bucket in self.flights:
-                    self.advance()          # the later buckets' next phases, before blocking (rule 3 holds)
-                    if bucket not in self.flights:
-                        break
-                    phase, handle = self.flights[bucket][1:3]
-                    t0 = time.perf_counter()
-                    output = wait(handle)
-                    if self.stats is not None:
-                        self.stats.add_wait(phase, time.perf_counter() - t0)
-                    self._next(bucket, output)
+            (self.settle_all or self.settle)()
         outcome = self.outcomes.pop(key)
         if not (self.outcomes or self.flights or self.filling):
             self.left = set()                               # the step is over
         return outcome
+
+    def settle(self):
+        """Send the buckets still filling; complete those in flight in sorted order, blocking (rule 3)."""
+        for bucket in sorted(self.filling, key=_order):
+            self._send(bucket)
+        for bucket in sorted(self.flights, key=_order):
+            while bucket in self.flights:
+                self.advance()              # the later buckets' next phases, before blocking (rule 3 holds)
+                if bucket not in self.flights:
+                    break
+                (phase, handle), t0 = self.flights[bucket][1:3], time.perf_counter()
+                output = wait(handle)
+                if self.stats is not None:
+                    self.stats.add_wait(phase, time.perf_counter() - t0)
+                self._next(bucket, output)
 
     def advance(self):
         """Start the next phase of every bucket whose collective is done; never blocks."""

@@ -90,6 +90,7 @@ class Hierarchical:
         self.before_finish = before_finish or (lambda: None)
         self.inflight = {}              # key -> (the started reduce-scatter, acc, k)
         self.outcomes = {}              # key -> Outcome, finished but not yet handed out
+        self.settle_all = None          # settles the door's transports in one order (``step.fused_plan``)
 
     def start(self, key, acc, k, finite=None, grad=None, step=None, k_next=None):
         """Start the host's reduce-scatter of ``acc``; the rest runs at the first ``finish``. ``finite``
@@ -99,13 +100,18 @@ class Hierarchical:
 
         def finish():
             if key not in self.outcomes:
-                self._run_all()
+                (self.settle_all or self.settle)()
             return self.outcomes.pop(key)
         # the squared norm of what leaves is known only after the host's sum: not counted (0.0)
         return Started(started.numel * acc.element_size(), 0.0, finish)
 
     def drain(self, until):
         """Nothing to advance before ``finish``: its later steps start there (``_run_all``)."""
+
+    def settle(self):
+        """Steps 2-3 of every key in flight, blocking (``_run_all``)."""
+        if self.inflight:
+            self._run_all()
 
     def forget(self):
         """Drop what was shared with the old set of ranks."""

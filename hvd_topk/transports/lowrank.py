@@ -135,6 +135,11 @@ class _StepPhases(_KeptState):
         if self.running is not None:
             self.running.advance(until)
 
+    def settle(self):
+        """Phases a-c of every key in flight, blocking (``_run_step``)."""
+        if self.inflight or self.running is not None:
+            self._run_step()
+
     def _run_step(self):
         """Phases a-c for every key in flight, in key order (module docstring); a-b from ``drain`` if it
         started them, and then those of any key started after it began (each rank alike, or the key
@@ -223,6 +228,7 @@ class LowRank(_StepPhases):
         self.outcomes = {}              # key -> Outcome, finished but not yet handed out
         self.launches = []              # (name, numel) of the allreduces of the last step, in order
         self.running = None             # phases a-b of the step, started by ``drain`` (``Waits``)
+        self.settle_all = None          # settles the door's transports in one order (``step.fused_plan``)
 
     def _matrix(self, key, acc, grad, k):
         """(M as n x m, r) for a compressed key, or (None, 0) for a dense one."""
@@ -261,7 +267,7 @@ class LowRank(_StepPhases):
 
         def finish():
             if key not in self.outcomes:
-                self._run_step()
+                (self.settle_all or self.settle)()
             return self.outcomes.pop(key)
         values = r * sum(matrix.shape) if r else acc.numel()      # P and, at finish, Q; or everything
         return Started(_wire_bytes(matrix, r, acc, p_scale, q_scale), sent_sq, finish, values)

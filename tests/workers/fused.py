@@ -8,7 +8,8 @@ split_reduce and allgather, runs with exact values ('fp32') three times: every t
 (``bucket_cap_mb`` of one element), in several buckets, and in one bucket for the whole step; then once
 with the default 16-bit values, and once with ``selection='global'`` (exact values: one top-k over the
 step's tensors, both doors alike). Then the optimizer with every tensor pinned to 'dense_fp16', at the
-three bucket caps.
+three bucket caps, and with the tensors pinned in turn to 'dense_fp16' (or 'lowrank') and 'split_reduce'
+(``mixed``).
 Then a model with an embedding table, with ``selection='global'`` through both doors (``rows``): the
 table's gradient is row-sparse, so it is selected alone beside the pooled linear layers; each run goes
 ``--steps`` steps straight, and half of them, a checkpoint (state dicts) and the rest in fresh objects.
@@ -62,7 +63,8 @@ def train(door, communication, values, cap, selection="layerwise", pin=None):
                                   communication=communication, values=values, bucket_cap_mb=cap, selection=selection)
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if door == "opt":
-        settings = None if pin is None else hvd_topk.OptimizerSettings(pin={n: pin for n, _ in model.named_parameters()})
+        names = [n for n, _ in model.named_parameters()]
+        settings = None if pin is None else hvd_topk.OptimizerSettings(pin={n: pin(i) for i, n in enumerate(names)})
         opt = hvd_topk.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                             settings=settings)
     else:
@@ -162,5 +164,9 @@ for door in ("opt", "stock"):
         result[(door, communication, "bf16", "buckets")] = train(door, communication, "bf16", CAPS["buckets"])
         result[(door, communication, "fp32", "global")] = train(door, communication, "fp32", CAPS["buckets"], "global")
 for label, cap in CAPS.items():              # every tensor pinned to dense in fp16: its own buckets
-    result[("opt", "dense_fp16", "fp16", label)] = train("opt", "split_reduce", "fp32", cap, pin="dense_fp16")
+    result[("opt", "dense_fp16", "fp16", label)] = train("opt", "split_reduce", "fp32", cap, pin=lambda i: "dense_fp16")
+# two fused transports of several phases each (on 3 ranks) in one step, finished in other orders by other ranks
+for pair in (("dense_fp16", "split_reduce"), ("lowrank", "split_reduce")):
+    result[("opt", "mixed", pair[0], "buckets")] = train("opt", "split_reduce", "fp32", CAPS["buckets"],
+                                                         pin=lambda i, pair=pair: pair[i % 2])
 torch.save(result, os.path.join(args.out, f"rank{hvd.rank()}.pt"))
