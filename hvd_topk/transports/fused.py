@@ -3,9 +3,10 @@
 ``SparseAllgather``, ``SplitReduce`` and ``DenseFP16`` hand every started key to their ``Buckets``. A
 bucket (a list of keys of the plan, ``hvd_topk.core.buckets.plan_buckets``, identical on every rank)
 leaves as soon as every key expected of it this step has been started: during the backward pass, from
-Horovod's hooks, in both front doors. Its phases are a generator (the transport's ``phases(name, items)``) that packs the
-bucket into one buffer, yields ``(phase, handle)`` for each collective and receives its output, and
-returns ``{key: Outcome}``; so each phase is one collective per bucket, whatever the number of keys.
+Horovod's hooks, in both front doors. Its phases are a generator (the transport's ``phases(name,
+items)``) that packs the bucket into one buffer, yields ``(phase, handle)`` for each collective and
+receives its output, and returns ``{key: Outcome}``; so each phase is one collective per bucket,
+whatever the number of keys.
 
 Why no order of events can hang:
 
@@ -16,11 +17,11 @@ Why no order of events can hang:
    flight is polled (``mpi_ops.poll``) and its next phase started only if its output is there.
 3. Every ``finish`` sends the buckets still filling as they are (every rank has started every key by
    the first: Horovod submits every gradient of a step before it waits for any); one whose outcome is
-   not yet there settles every fused transport of its front door (``settle_all``, which
-   ``hvd_topk.step.fused_plan`` sets: the transports in their names' order, the same on every rank,
-   whatever order Horovod finishes the keys in on each), each completing its buckets in sorted order,
-   blocking, and before each blocking wait starting the next phase of every bucket whose collective is
-   done (as 2.), so that the buckets' phases overlap instead of running one bucket after the other. A
+   not yet there settles every transport of its front door (``settle_all``, which
+   ``hvd_topk.step.fused_plan`` sets: in the door's order of its transports, the same on every rank,
+   whatever order Horovod finishes the keys in on each), the fused ones completing their buckets in
+   sorted order, blocking, and before each blocking wait starting the next phase of every bucket whose
+   collective is done (as 2.), so that the buckets' phases overlap instead of one after the other. A
    rank blocks on bucket b's phase j only once it has started every phase of the buckets before b (of
    its transport and of those settled before it); every other rank starts b's phase j before it blocks
    on anything after b. By induction each blocking wait is on a collective every rank starts.
