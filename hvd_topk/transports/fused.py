@@ -88,9 +88,9 @@ class Buckets:
         keys = set(keys)
         self.expected = [{key for key in members if key in keys} for members in self.members]
 
-    def add(self, key, item):
-        """Start ``key`` (``item`` goes to its bucket's phases); sends its bucket if now complete."""
-        bucket = self.bucket_of.get(key)
+    def add(self, key, item, alone=False):
+        """Start ``key`` (``item`` goes to its bucket's phases), sending its bucket if complete (or it alone)."""
+        bucket = None if alone else self.bucket_of.get(key)
         if bucket is None or bucket in self.left:
             bucket = ("key", key)
         filling = self.filling.setdefault(bucket, {})
