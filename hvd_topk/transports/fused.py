@@ -104,8 +104,8 @@ class Buckets:
         self.advance()
 
     def finish(self, key, before_wait=None):
-        """The Outcome of ``key``; the step's first call sends what is still filling and completes every
-        bucket in sorted order (``before_wait()`` first: the optimizer's pending groups start)."""
+        """The Outcome of ``key``; the step's first call sends what is still filling and settles the step
+        (``settle_all``: every transport of the door; else ``settle``), ``before_wait()`` first."""
         for bucket in sorted(self.filling, key=_order):     # every key of the step has been started
             self._send(bucket)
         if key not in self.outcomes:
