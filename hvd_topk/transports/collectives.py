@@ -153,7 +153,7 @@ def add_rows(rows):
     wide = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
     total = rows[0].to(wide, copy=True)
     for row in rows[1:]:
-        total.add_(row.to(wide))
+        total.add_(row)             # widened as it is read: no float32 copy of the row
     return total
 
 
