@@ -141,7 +141,8 @@ class OptimizerSettings:
             weighs low rank against Top-K, >= 0; None: 0.3 and 1.0 (measured: docs/auto.md).
         auto_every: steps between the automatic checks, int >= 2.
         pin: {parameter name: transport}: these tensors always go with that transport (``'dense'``,
-            ``'dense_fp16'``: every entry in fp16, the rounding kept in the residual, ``'artopk'``,
+            ``'dense_fp16'``: every entry in fp16, the rounding kept in the residual (through the hosts
+            under ``communication='hierarchical'``: each host's sum crosses once), ``'artopk'``,
             ``'split_reduce'``, ``'allgather'``, ``'lowrank'``), whatever ``communication`` says or
             ``'auto'`` would choose; None: none pinned.
 

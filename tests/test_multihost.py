@@ -445,7 +445,7 @@ def hierarchical_2x2(hosts, tmp_path_factory):
     nan_step = 3
     results = _hierarchical_job(hosts, tmp_path_factory.mktemp("hier") / "2x2", hosts.host_list(SLOTS), NP,
                                 ["--steps", 6, "--nan-rank", 3, "--nan-step", nan_step, "--register-sets",
-                                 "--stock-op", "sum", "--auto-steps", 20, "--lowrank-steps", 4])
+                                 "--stock-op", "sum", "--auto-steps", 20, "--lowrank-steps", 4, "--fp16-steps", 4])
     return results, nan_step
 
 
@@ -491,6 +491,43 @@ def test_low_rank_across_hosts_through_both_doors(hierarchical_2x2):
         assert_identical_across_ranks([{"params": dict(enumerate(r["params"]))} for r in ranks])
     for opt, stock in zip(results[0]["lowrank"]["opt"]["params"], results[0]["lowrank"]["stock"]["params"]):
         torch.testing.assert_close(stock, opt, rtol=0, atol=1e-12)
+
+
+def test_dense_fp16_across_hosts_crosses_once_and_keeps_its_rounding(hierarchical_2x2):
+    """hvd_topk's dense_fp16 pinned with communication='hierarchical' on the same job (float32, Average):
+    each bucket reduce-scattered in the host, its shard of the host's sum across the hosts in fp16, the
+    sums allgathered in the host. Every step the aggregate is the same on every rank and not the exact
+    average (fp16 crossed); the aggregate x 4 + the change of all residuals = the sum of every rank's
+    gradient up to float32's rounding (the error-feedback invariant: fp16's rounding, 8000x float32's,
+    stays in the residuals); the ranks of a host hold their rounding on disjoint entries (each its shard); rank
+    3's NaN at step 1 skipped everywhere with every residual kept; parameters identical on every rank."""
+    results, _ = hierarchical_2x2
+    runs = [res["fp16"] for res in results]
+    assert {"collectives_scatter", "collectives_cross", "collectives_gather"} <= set(runs[0]["stats"]), runs[0]["stats"]
+    assert_identical_across_ranks([{"params": run["params"]} for run in runs])
+    compressed = [n for n, v in runs[0]["residuals"][0].items() if v is not None]
+    assert {"fp16.0.weight", "fp16.2.weight"} <= set(compressed), compressed
+    for name in compressed:
+        previous = [torch.zeros_like(runs[0]["residuals"][0][name], dtype=torch.float64) for _ in runs]
+        for t in range(len(runs[0]["grads"])):
+            aggregates = [run["aggregates"][t][name].reshape(-1).double() for run in runs]
+            residuals = [run["residuals"][t][name].reshape(-1).double() for run in runs]
+            for a in aggregates:
+                torch.testing.assert_close(a, aggregates[0], rtol=0, atol=0, equal_nan=True)
+            if t == 1:
+                assert not torch.isfinite(aggregates[0]).any(), "the NaN step reached an aggregate"
+                assert all(torch.equal(r, q) for r, q in zip(residuals, previous)), "a residual moved"
+                continue
+            total = sum(run["grads"][t][name].reshape(-1).double() for run in runs)
+            if t == 0:
+                assert (4 * aggregates[0] - total).abs().max() > 1e-5 * total.abs().max(), "fp16 did not round"
+            change = sum(r - q for r, q in zip(residuals, previous))
+            torch.testing.assert_close(4 * aggregates[0] + change, total, rtol=0,
+                                       atol=1e-6 * float(total.abs().max()))
+            for host in ((0, 1), (2, 3)):
+                assert not ((residuals[host[0]] != 0) & (residuals[host[1]] != 0)).any(), (name, t, host)
+            previous = residuals
+        assert any(r.any() for r in previous), f"{name}: no rounding was kept"
 
 
 def test_auto_across_hosts_probes_both_links_and_tries_hierarchical(hierarchical_2x2):

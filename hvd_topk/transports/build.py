@@ -109,13 +109,17 @@ def _topk_stack(settings, *, tag, key_index, process_set, communication, reducti
                   "allgather": SparseAllgather(collectives, average, settings.values, name=f"{tag}.allgather",
                                                stats=stats, mismatch_hint=mismatch_hint),
                   "split_reduce": split_reduce}
-    if reduction is not None:
-        transports["dense"] = Dense(collectives, reduction, value_dtype, name="values")
-        transports["plain"] = Dense(collectives, reduction, None, name="dense")
-        transports["dense_fp16"] = DenseFP16(collectives, reduction, f"{tag}.values16", stats)
     hosts = None
     if communication in ("hierarchical", "auto"):     # collective: finds the hosts' process sets
         hosts = resolve(f"{tag}.hier.hosts", optional=communication == "auto")
+    if reduction is not None:
+        transports["dense"] = Dense(collectives, reduction, value_dtype, name="values")
+        transports["plain"] = Dense(collectives, reduction, None, name="dense")
+        # through the hosts where hierarchical was asked for: each host's sum crosses once (transports/dense.py);
+        # auto's stays flat (its model and trial have not priced the other way)
+        transports["dense_fp16"] = DenseFP16(collectives, reduction, f"{tag}.values16", stats,
+                                             hosts if communication == "hierarchical" else None)
+    if communication in ("hierarchical", "auto"):
         if hosts is not None:
             inner = SplitReduce(Collectives(f"{tag}.hier.group", process_set=hosts.cross), False, split_reduce.regions,
                                 f"{tag}.hier.split", settings.values, stats, mismatch_hint, settings.budget)

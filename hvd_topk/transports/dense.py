@@ -23,6 +23,22 @@ alltoall and one allgather per tensor, each tensor's second phase waiting for it
 On 2 ranks each tensor goes alone, as soon as its gradient is ready: its exchange is one allgather, which
 a bucket only holds back (the wide CNN on an unlimited loopback stepped 1.54x dense's in buckets,
 1.08x alone; the char LM at 100 Mbit/s 191.9 against 176.6-180.9 ms).
+
+Across hosts (``hosts``: the hosts' process sets, where ``communication='hierarchical'`` found them; auto's
+dense_fp16 stays flat, as its model prices it) a bucket goes through them, as ``Hierarchical`` sends Top-K:
+
+1. Host: the ranks' float32 accumulators, laid end to end, are reduce-scattered inside the host
+   (``collectives.reduce_scatter_async``): the rank at position j gets the host's exact sum of shard j.
+2. Across hosts: that sum goes in fp16 (``encode_fp16``) to the ranks at position j on the other hosts,
+   summed by exchange in float32. Only this step crosses the slow link: each host sends the model once
+   in fp16, where the flat exchange of its ranks sends it about twice (an alltoall and an allgather
+   over every rank) and a ring allreduce 1.5 times (docs/design.md has the bytes and steps measured).
+3. Host: the shards' float32 sums are allgathered inside the host: every rank has the same bits.
+
+Error feedback per shard, as ``Hierarchical``'s: the owner of shard j keeps what fp16 did not carry of
+the host's sum there; a rank's residual is zero elsewhere (its accumulator went whole into the host's
+exact sum). A non-finite accumulator makes its shard's sum non-finite (marked NaN by ``encode_fp16``),
+which reaches every rank in step 3: each rank skips the step for the bucket's keys.
 """
 import math
 
@@ -31,6 +47,7 @@ from horovod.torch import mpi_ops
 
 from ..core.sparsify import sq_norm_finite
 from .base import Outcome, Started
+from .collectives import reduce_scatter_async, reduce_scatter_sum
 from .fused import Buckets, as_phase
 from .lowrank_wire import sum_by_exchange
 
@@ -75,14 +92,15 @@ class DenseFP16:
         reduction: ``Reduction``: Horovod's op and scale factors, applied to the sum.
         name: prefix of the buckets' collective names (``<name>.bucket<i>``).
         stats: ``StepStats`` that records the phases, or None.
+        hosts: ``host_sets.HostSets`` to send through (module docstring), or None: flat over ``collectives``.
     """
 
     # every entry travels: a bucket is long on the wire, so the first (the last layers', ready first)
     # leaves early in the backward pass, as DDP's first bucket of 1 MiB does (module docstring)
     first_bucket_mb = 1.0
 
-    def __init__(self, collectives, reduction, name="hvd_topk.values16", stats=None):
-        self.collectives, self.reduction = collectives, reduction
+    def __init__(self, collectives, reduction, name="hvd_topk.values16", stats=None, hosts=None):
+        self.collectives, self.reduction, self.hosts = collectives, reduction, hosts
         self.buckets = Buckets(name, self._phases, stats)
 
     def forget(self):
@@ -94,6 +112,10 @@ class DenseFP16:
         self.buckets.drain(until)
 
     def start(self, key, acc, k=None, finite=None, grad=None, step=None, k_next=None):
+        if self._live_hosts() is not None:      # acc is read when its bucket leaves; its bytes are the host's
+            # reduce-scatter's, as Hierarchical's (only 2 bytes an entry of one shard cross hosts)
+            self.buckets.add(key, dict(acc=acc.reshape(-1), shape=acc.shape, dtype=acc.dtype))
+            return Started(acc.numel() * 4, 0.0, lambda: self.buckets.finish(key, self.collectives.start_pending))
         ranks = self.collectives.process_set.size()
         buf, residual = encode_fp16(acc, ranks)
         # on 2 ranks a tensor's exchange is one allgather, started as its gradient is ready: a bucket
@@ -102,8 +124,18 @@ class DenseFP16:
         return Started(buf.numel() * buf.element_size(), 0.0,
                        lambda: self.buckets.finish(key, self.collectives.start_pending))
 
+    def _live_hosts(self):
+        """``hosts`` while Horovod has their sets (auto removes them where no plan holds them,
+        ``hvd_topk.auto.decide``; every rank at the same step), else None: flat."""
+        return self.hosts if self.hosts is not None and self.hosts.host.process_set_id is not None else None
+
     def _phases(self, name, items):
-        """The bucket's one phase, its float16 values laid end to end and summed by exchange (``fused.Buckets``)."""
+        """The bucket's phases (``fused.Buckets``): through the hosts where ``start`` kept its accumulators."""
+        through_hosts = "acc" in next(iter(items.values()))
+        return (self._phases_across_hosts if through_hosts else self._phases_flat)(name, items)
+
+    def _phases_flat(self, name, items):
+        """The bucket's one phase, its float16 values laid end to end and summed by exchange."""
         ps, r, keys = self.collectives.process_set, self.reduction, list(items)
         ranks = ps.size()                                   # read each step: elastic resizes
         scale = r.prescale * r.postscale / (ranks if r.op == mpi_ops.Average else 1)
@@ -116,6 +148,35 @@ class DenseFP16:
             summed = decode_sum(part, scale, item["dtype"])
             outcomes[key] = Outcome(None, None) if summed is None else \
                 Outcome(summed.reshape(item["shape"]), None, residual=item["residual"])
+        return outcomes
+
+    def _phases_across_hosts(self, name, items):
+        """The bucket's three phases through the hosts (module docstring, steps 1-3)."""
+        hosts, r, keys = self.hosts, self.reduction, list(items)
+        scale = r.prescale * r.postscale / (hosts.hosts * hosts.per_host if r.op == mpi_ops.Average else 1)
+        accs = [items[key]["acc"].to(torch.float32) for key in keys]      # no copy of a float32 one
+        flat = accs[0] if len(accs) == 1 else torch.cat(accs)
+        scattered = reduce_scatter_async(flat, f"{name}.scatter", hosts.host)
+        shard = reduce_scatter_sum(scattered, (yield "scatter", scattered.handle))
+        buf, shard_residual = encode_fp16(shard, hosts.hosts)
+        crossed = yield from as_phase("cross", sum_by_exchange(buf, hosts.cross, f"{name}.cross", []))
+        gathered = yield "gather", mpi_ops.allgather_async(crossed, name=f"{name}.gather", process_set=hosts.host)
+        total = decode_sum(gathered[:flat.numel()], scale, torch.float32)   # one NaN skips the bucket
+        first = hosts.position * shard.numel()                # this rank's shard: flat[first:first + len]
+        outcomes, offset = {}, 0
+        for key, acc in zip(keys, accs):
+            item, end = items[key], offset + acc.numel()
+            if total is None:
+                outcomes[key] = Outcome(None, None)
+            else:
+                # zero but for the shard; a float64 accumulator also keeps its tail below float32
+                residual = torch.zeros_like(acc) if acc is item["acc"] else item["acc"] - acc.to(item["dtype"])
+                low, high = max(offset, first), min(end, first + shard.numel())
+                if low < high:
+                    residual[low - offset:high - offset] += shard_residual[low - first:high - first].to(item["dtype"])
+                outcomes[key] = Outcome(total[offset:end].to(item["dtype"]).reshape(item["shape"]), None,
+                                        residual=residual)
+            offset = end
         return outcomes
 
 

@@ -32,6 +32,9 @@ p.add_argument("--register-sets", action="store_true",
 p.add_argument("--lowrank-steps", type=int, default=0,
                help="then this many steps of low rank across the hosts through both doors (PowerSGD(rank=2, "
                     "communication='hierarchical')), rank --nan-rank's loss NaN at step 1")
+p.add_argument("--fp16-steps", type=int, default=0,
+               help="then this many steps of hvd_topk's dense_fp16 (pinned, communication='hierarchical', float32) "
+                    "through the hosts, rank --nan-rank's loss NaN at step 1")
 p.add_argument("--auto-steps", type=int, default=0,
                help="then this many steps of communication='auto': the probe of both links, the model's plan, "
                     "then a short trial of flat split_reduce against hierarchical")
@@ -187,9 +190,43 @@ with warnings.catch_warnings(record=True) as seen:
 
     lowrank = lowrank_doors(args.lowrank_steps) if args.lowrank_steps else None
 
+    def dense_fp16(steps):
+        """hvd_topk's dense_fp16 pinned for the matrices, communication='hierarchical', in float32: per step
+        the gradients, the aggregate and the residuals; the last step's stats, the final parameters."""
+        torch.manual_seed(1234 + hvd.rank())
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).float()
+        named = [(f"fp16.{n}", q) for n, q in model.named_parameters()]
+        opt = hvd_topk.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=named,
+            compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=64), communication="hierarchical",
+            settings=hvd_topk.OptimizerSettings(pin={n: "dense_fp16" for n, q in named if q.dim() > 1}))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        out = {"grads": [], "aggregates": [], "residuals": []}
+        for step in range(steps):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100_000 * hvd.rank() + step)).float()
+            opt.zero_grad()
+            loss = ((model(x) - x @ w_true.float()) ** 2).mean()
+            if step == 1 and hvd.rank() == args.nan_rank:
+                loss = loss * float("nan")
+            grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            loss.backward()
+            opt.synchronize()
+            out["grads"].append({n: g.clone() for (n, _), g in zip(named, grads)})
+            out["aggregates"].append({n: q.grad.clone() for n, q in named})
+            with opt.skip_synchronize(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if all(torch.isfinite(q.grad).all() for q in model.parameters()):
+                    opt.step()
+            out["residuals"].append({k: None if v is None else v.clone()
+                                     for k, v in opt._hvd_topk.residuals.residuals.items()})
+        out.update(stats=opt.stats(), params={n: q.detach().clone() for n, q in named})
+        return out
+
+    fp16 = dense_fp16(args.fp16_steps) if args.fp16_steps else None
+
 result = {"params": {door: {n: q.detach().clone() for n, q in m.named_parameters()} for door, (m, *_) in doors.items()},
           "record": record, "elapsed_s": elapsed, "ratio_one": ratio_one_params, "auto": auto,
-          "lowrank": lowrank,
+          "lowrank": lowrank, "fp16": fp16,
           "warnings": [str(w.message) for w in seen],
           "transports": {door: type(t).__name__ for door, (*_, t) in doors.items()},
           "sets": {door: None if not hasattr(t, "sets") else (t.sets.host.ranks, t.sets.cross.ranks, t.sets.position)
