@@ -499,8 +499,9 @@ def test_dense_fp16_across_hosts_crosses_once_and_keeps_its_rounding(hierarchica
     sums allgathered in the host. Every step the aggregate is the same on every rank and not the exact
     average (fp16 crossed); the aggregate x 4 + the change of all residuals = the sum of every rank's
     gradient up to float32's rounding (the error-feedback invariant: fp16's rounding, 8000x float32's,
-    stays in the residuals); the ranks of a host hold their rounding on disjoint entries (each its shard); rank
-    3's NaN at step 1 skipped everywhere with every residual kept; parameters identical on every rank."""
+    stays in the residuals); the ranks of a host hold their rounding on disjoint entries (each its
+    shard); rank 3's NaN at step 1 skipped everywhere with every residual kept; parameters identical on
+    every rank."""
     results, _ = hierarchical_2x2
     runs = [res["fp16"] for res in results]
     assert {"collectives_scatter", "collectives_cross", "collectives_gather"} <= set(runs[0]["stats"]), runs[0]["stats"]

@@ -119,13 +119,12 @@ def _topk_stack(settings, *, tag, key_index, process_set, communication, reducti
         # auto's stays flat (its model and trial have not priced the other way)
         transports["dense_fp16"] = DenseFP16(collectives, reduction, f"{tag}.values16", stats,
                                              hosts if communication == "hierarchical" else None)
-    if communication in ("hierarchical", "auto"):
-        if hosts is not None:
-            inner = SplitReduce(Collectives(f"{tag}.hier.group", process_set=hosts.cross), False, split_reduce.regions,
-                                f"{tag}.hier.split", settings.values, stats, mismatch_hint, settings.budget)
-            transports["hierarchical"] = Hierarchical(hosts, inner, average, f"{tag}.hier", collectives.start_pending)
-        elif communication == "hierarchical":         # one host, or uneven hosts: the flat transport
-            transports["hierarchical"] = split_reduce
+    if hosts is not None:
+        inner = SplitReduce(Collectives(f"{tag}.hier.group", process_set=hosts.cross), False, split_reduce.regions,
+                            f"{tag}.hier.split", settings.values, stats, mismatch_hint, settings.budget)
+        transports["hierarchical"] = Hierarchical(hosts, inner, average, f"{tag}.hier", collectives.start_pending)
+    elif communication == "hierarchical":             # one host, or uneven hosts: the flat transport
+        transports["hierarchical"] = split_reduce
     if alongside is not None:
         transports["lowrank"] = _lowrank(alongside, f"{tag}.lowrank", collectives, average, shapes)
     return TransportStack(transports, collectives, index_sets, leaders, hosts)

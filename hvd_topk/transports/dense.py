@@ -125,8 +125,8 @@ class DenseFP16:
                        lambda: self.buckets.finish(key, self.collectives.start_pending))
 
     def _live_hosts(self):
-        """``hosts`` while Horovod has their sets (auto removes them where no plan holds them,
-        ``hvd_topk.auto.decide``; every rank at the same step), else None: flat."""
+        """``hosts`` while Horovod has their sets, else None: flat (a tuner may remove them where no plan
+        of its holds hierarchical, ``hvd_topk.auto.decide``; every rank at the same step)."""
         return self.hosts if self.hosts is not None and self.hosts.host.process_set_id is not None else None
 
     def _phases(self, name, items):
