@@ -134,13 +134,16 @@ class DenseFP16:
         through_hosts = "acc" in next(iter(items.values()))
         return (self._phases_across_hosts if through_hosts else self._phases_flat)(name, items)
 
+    def _scale(self):
+        """The factor of Horovod's op and scale factors on the ranks' sum; the ranks are read each step
+        (elastic resizes; hierarchical's hosts hold every rank of the global set)."""
+        r, ranks = self.reduction, self.collectives.process_set.size()
+        return r.prescale * r.postscale / (ranks if r.op == mpi_ops.Average else 1)
+
     def _phases_flat(self, name, items):
         """The bucket's one phase, its float16 values laid end to end and summed by exchange."""
-        ps, r, keys = self.collectives.process_set, self.reduction, list(items)
-        ranks = ps.size()                                   # read each step: elastic resizes
-        scale = r.prescale * r.postscale / (ranks if r.op == mpi_ops.Average else 1)
-        bufs = [items[key]["buf"].reshape(-1) for key in keys]
-        flat = bufs[0] if len(bufs) == 1 else torch.cat(bufs)     # a key alone (2 ranks) is not copied
+        ps, keys, scale = self.collectives.process_set, list(items), self._scale()
+        flat = _end_to_end([items[key]["buf"] for key in keys])
         total = yield from as_phase("exchange", sum_by_exchange(flat, ps, name, []))
         outcomes = {}
         for key, part in zip(keys, total.split([items[key]["buf"].numel() for key in keys])):
@@ -152,10 +155,9 @@ class DenseFP16:
 
     def _phases_across_hosts(self, name, items):
         """The bucket's three phases through the hosts (module docstring, steps 1-3)."""
-        hosts, r, keys = self.hosts, self.reduction, list(items)
-        scale = r.prescale * r.postscale / (hosts.hosts * hosts.per_host if r.op == mpi_ops.Average else 1)
+        hosts, keys, scale = self.hosts, list(items), self._scale()
         accs = [items[key]["acc"].to(torch.float32) for key in keys]      # no copy of a float32 one
-        flat = accs[0] if len(accs) == 1 else torch.cat(accs)
+        flat = _end_to_end(accs)
         scattered = reduce_scatter_async(flat, f"{name}.scatter", hosts.host)
         shard = reduce_scatter_sum(scattered, (yield "scatter", scattered.handle))
         buf, shard_residual = encode_fp16(shard, hosts.hosts)
@@ -178,6 +180,11 @@ class DenseFP16:
                                         residual=residual)
             offset = end
         return outcomes
+
+
+def _end_to_end(tensors):
+    """``tensors`` laid end to end, flat; a tensor alone (2 ranks) is not copied."""
+    return tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
 
 
 def encode_fp16(acc, ranks):
