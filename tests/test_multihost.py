@@ -445,7 +445,7 @@ def hierarchical_2x2(hosts, tmp_path_factory):
     nan_step = 3
     results = _hierarchical_job(hosts, tmp_path_factory.mktemp("hier") / "2x2", hosts.host_list(SLOTS), NP,
                                 ["--steps", 6, "--nan-rank", 3, "--nan-step", nan_step, "--register-sets",
-                                 "--stock-op", "sum", "--auto-steps", 20, "--lowrank-steps", 4, "--fp16-steps", 4])
+                                 "--stock-op", "sum", "--auto-steps", 28, "--lowrank-steps", 4, "--fp16-steps", 4])
     return results, nan_step
 
 
@@ -534,8 +534,9 @@ def test_dense_fp16_across_hosts_crosses_once_and_keeps_its_rounding(hierarchica
 def test_auto_across_hosts_probes_both_links_and_tries_hierarchical(hierarchical_2x2):
     """The same job, communication='auto' on the registered host sets: after step 1 every rank holds the
     same probe of the link within the hosts and the link between them (2 hosts of 2), the model's plan
-    chose among the flat transports and hierarchical, and a trial of all split_reduce against all
-    hierarchical ran both in turns to its verdict; parameters identical on every rank."""
+    chose among the flat transports and hierarchical, and a trial of all split_reduce, all hierarchical and
+    a mixed plan (hierarchical, low rank and dense_fp16 in one step) ran them in turns to its verdict;
+    parameters identical on every rank."""
     results, _ = hierarchical_2x2
     autos = [res["auto"] for res in results]
     link = autos[0]["costs"].hosts
@@ -547,8 +548,12 @@ def test_auto_across_hosts_probes_both_links_and_tries_hierarchical(hierarchical
         {"dense", "dense_fp16", "artopk", "split_reduce", "allgather", "hierarchical", "lowrank"}, autos[0]["probed"]
     assert set(autos[0]["model_plan"].values()) <= set(counts)
     final = autos[0]["history"][-1][3]
-    assert "all split_reduce" in final and "all hierarchical" in final and "; kept all " in final, final
-    assert ["hierarchical"] in autos[0]["modes"] and ["split_reduce"] in autos[0]["modes"], autos[0]["modes"]
+    mixed = "mixed 1 dense_fp16/1 hierarchical/1 lowrank"      # the plan holds the 3 tensors over min_numel
+    assert "all split_reduce" in final and "all hierarchical" in final and mixed in final, final
+    assert "; kept " in final, final
+    modes = autos[0]["modes"]
+    assert ["hierarchical"] in modes and ["split_reduce"] in modes, modes
+    assert ["dense_fp16", "hierarchical", "lowrank"] in modes, modes
     assert {"host_beta", "cross_beta", "auto_hierarchical"} <= set(autos[0]["figures"]), autos[0]["figures"]
     assert_identical_across_ranks([{"params": a["params"]} for a in autos])
 

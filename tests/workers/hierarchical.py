@@ -115,11 +115,16 @@ with warnings.catch_warnings(record=True) as seen:
 
     def auto_door(steps):
         """hvd_topk.DistributedOptimizer(communication='auto'): its probe and plan after step 0, then a
-        trial of all split_reduce against all hierarchical (2 steps a turn, 3 counted rounds)."""
+        trial of all split_reduce, all hierarchical and a mixed plan (the second layer hierarchical, the first
+        low rank, the rest dense_fp16: three transports in one step across the hosts), 2 steps a turn, 3
+        counted rounds."""
         torch.manual_seed(1234 + hvd.rank())
         model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
         named = [(f"auto.{n}", q) for n, q in model.named_parameters()]
-        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        # lr 0.02, not 0.05: at 0.05 with momentum 0.9 this MLP trains with dense alone, but a trial's
+        # switches between Top-K and dense or low rank (each a few steps of delayed, then released,
+        # gradient) tip it into divergence; the transports' sums stay exact (test_auto.py's invariant)
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9),
                                             named_parameters=named, communication="auto",
                                             compression=hvd_topk.TopKEF(ratio=args.ratio, min_numel=64))
         tuner = opt._hvd_topk.tuner
@@ -129,7 +134,10 @@ with warnings.catch_warnings(record=True) as seen:
         for step in range(steps):
             if step == 2:                       # the probe ran at the end of step 1 (step 0 is not timed)
                 out["probed"], out["model_plan"] = list(tuner.history), dict(tuner.plan)
-                tuner.start_trial([{n: mode for n in tuner.plan} for mode in ("split_reduce", "hierarchical")])
+                mixed = {n: "hierarchical" if n == "auto.2.weight" else "lowrank" if n == "auto.0.weight"
+                         else "dense_fp16" for n in tuner.plan}
+                tuner.start_trial([{n: mode for n in tuner.plan} for mode in ("split_reduce", "hierarchical")]
+                                  + [mixed])
             x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100_000 * hvd.rank() + step))
             opt.zero_grad()
             ((model(x) - x @ w_true) ** 2).mean().backward()
